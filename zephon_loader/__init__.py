@@ -1,0 +1,1 @@
+"""zephon_loader: packed token batches from Zephon pipelines for NeMo AutoModel-style models."""
