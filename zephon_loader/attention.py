@@ -1,0 +1,316 @@
+"""Stateless mapping from collated Zephon tensors to AutoModel's packed input contract.
+
+This is seed ``000`` (``nemo_automodel.components.datasets.zephon.attention``):
+``adapt_model_inputs`` → optional ``enable_xdoc_attention``, plus the
+construction-time ``require_supported_packing_contract``. Every function takes
+an owned mapping, replaces entries, and never writes into an existing tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, MutableMapping, NotRequired, Required, TypedDict
+
+import torch
+
+from zephon_loader import fields as F
+from zephon_loader.packing import validate_packing_contract
+
+#: Default cap on a block-causal ``[B, 1, S, S]`` bool mask: 1 GiB per batch.
+DEFAULT_BLOCK_MASK_BUDGET_BYTES = 1 << 30
+
+#: Collated CPU tensors; AutoModel aliases are applied only when yielding.
+#:
+#: Token fields are ``[B, S]``: ``input_ids``/``labels`` int64 (labels ``-100``
+#: where unsupervised), ``padding_mask`` bool (True at trailing padding),
+#: ``document_ids`` int64 (1-based subdocument per row, 0 exactly at padding),
+#: ``attention_document_ids`` int64 (like ``document_ids``, 0 also at
+#: ineligible tokens; joined under xdoc). ``position_ids`` int64 is ``[B, S]``
+#: or ``[A, B, S]`` (mRoPE). ``cu_seqlens`` int32 is Zephon's physical
+#: ``[B, K]`` before the final map and the gathered ``[B, D + 1]`` after it.
+TrainingBatch = TypedDict(
+    "TrainingBatch",
+    {
+        F.INPUT_IDS: Required[torch.Tensor],
+        F.LABELS: Required[torch.Tensor],
+        F.PADDING_MASK: Required[torch.Tensor],
+        F.POSITION_IDS: Required[torch.Tensor],
+        F.DOCUMENT_IDS: NotRequired[torch.Tensor],
+        F.ATTENTION_DOCUMENT_IDS: NotRequired[torch.Tensor],
+        F.ATTENTION_ELIGIBILITY: NotRequired[torch.Tensor],
+        F.ATTENTION_MASK: NotRequired[torch.Tensor],
+        F.PACKED_SEQ_IDS: NotRequired[torch.Tensor],
+        F.CU_SEQLENS: NotRequired[torch.Tensor],
+        F.MAX_SEQLEN: NotRequired[int],
+        F.PACKED_TOKEN_INDICES: NotRequired[torch.Tensor],
+        F.QKV_FORMAT: NotRequired[str],
+        F.SEQ_LENS: NotRequired[torch.Tensor],
+        F.SEQ_LENS_PADDED: NotRequired[torch.Tensor],
+    },
+    total=False,
+)
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _tensor(batch: Mapping[str, Any], name: str) -> torch.Tensor:
+    if name not in batch:
+        raise ValueError(f"{name}: missing from the batch (keys seen: {sorted(batch)}); expected a tensor")
+    value = batch[name]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: got {type(value).__name__}, expected a torch.Tensor")
+    return value
+
+
+def _expect_dtype(name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...], wanted: str) -> None:
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"{name}: got dtype {tensor.dtype}, expected {wanted}")
+
+
+def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], wanted: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, expected {wanted} = {list(shape)}")
+
+
+def _validate_positions(batch: Mapping[str, Any], batch_shape: tuple[int, int]) -> torch.Tensor:
+    positions = _tensor(batch, F.POSITION_IDS)
+    _expect_dtype(F.POSITION_IDS, positions, _INTEGER_DTYPES, "an integer dtype (int64)")
+    if positions.ndim == 2:
+        _expect_shape(F.POSITION_IDS, positions, batch_shape, "[batch, sequence]")
+    elif positions.ndim == 3:
+        if tuple(positions.shape[1:]) != batch_shape:
+            raise ValueError(
+                f"{F.POSITION_IDS}: got shape {tuple(positions.shape)}, expected [axes, batch, sequence] = "
+                f"[A, {batch_shape[0]}, {batch_shape[1]}]"
+            )
+    else:
+        raise ValueError(
+            f"{F.POSITION_IDS}: got rank {positions.ndim} shape {tuple(positions.shape)}, expected "
+            "[batch, sequence] or [axes, batch, sequence] (mRoPE)"
+        )
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"{F.POSITION_IDS}: got minimum {int(positions.min())}, expected nonnegative positions")
+    return positions
+
+
+def _validate_document_ids(name: str, ids: torch.Tensor, padding: torch.Tensor) -> None:
+    """ids: 1-based, 0 exactly at padding, nondecreasing along each row's non-padding tokens."""
+    if ids.numel() == 0:
+        return
+    if int(ids.min()) < 0:
+        raise ValueError(f"{name}: got minimum {int(ids.min())}, expected nonnegative document ids")
+    zero = ids == 0
+    mismatch = zero != padding
+    if bool(mismatch.any()):
+        b, s = (int(i) for i in torch.nonzero(mismatch)[0])
+        raise ValueError(
+            f"{name}: got id {int(ids[b, s])} at row {b}, column {s} where {F.PADDING_MASK} is "
+            f"{bool(padding[b, s])}; expected 0 exactly at padding and a 1-based id elsewhere"
+        )
+    running_max = ids.cummax(dim=1).values
+    decreasing = ids < running_max
+    decreasing &= ~padding
+    if bool(decreasing.any()):
+        b, s = (int(i) for i in torch.nonzero(decreasing)[0])
+        raise ValueError(
+            f"{name}: row {b} decreases at column {s} (id {int(ids[b, s])} after {int(running_max[b, s])}); "
+            "expected subdocument ids increasing left to right"
+        )
+
+
+def adapt_model_inputs(
+    batch: MutableMapping[str, Any], attention_eligibility: torch.Tensor | None = None
+) -> TrainingBatch:
+    """Prepare attention membership from collated document ids.
+
+    Runs after ``to_training``, so ids already align with the shifted, padded
+    input tokens.
+
+    Args:
+        batch: Owned mapping with int64 ``input_ids``/``labels`` ``[B, S]``,
+            bool ``padding_mask`` ``[B, S]`` (True = pad), integer
+            ``position_ids`` ``[B, S]`` or ``[A, B, S]`` (nonnegative) and int64
+            ``document_ids`` ``[B, S]`` (1-based, increasing left to right, 0
+            exactly at padding). Entries are replaced; no tensor is written.
+        attention_eligibility: Optional bool ``[B, S]``; False marks tokens
+            (e.g. synthetic image tokens) that must neither attend nor be
+            attended, independently of padding.
+
+    Returns:
+        The same mapping with int64 ``attention_document_ids`` ``[B, S]``:
+        ``document_ids`` where eligible, 0 at ineligible tokens and padding.
+
+    Raises:
+        ValueError: Wrong rank/shape, negative ids or positions, ids nonzero at
+            padding or zero elsewhere, ids decreasing along a row.
+        TypeError: Wrong dtype or non-tensor values.
+    """
+    input_ids = _tensor(batch, F.INPUT_IDS)
+    if input_ids.ndim != 2:
+        raise ValueError(f"{F.INPUT_IDS}: got shape {tuple(input_ids.shape)}, expected rank 2 [batch, sequence]")
+    _expect_dtype(F.INPUT_IDS, input_ids, (torch.int64,), "torch.int64")
+    shape = tuple(input_ids.shape)
+    labels = _tensor(batch, F.LABELS)
+    _expect_dtype(F.LABELS, labels, (torch.int64,), "torch.int64")
+    _expect_shape(F.LABELS, labels, shape, "[batch, sequence] like input_ids")
+    padding = _tensor(batch, F.PADDING_MASK)
+    _expect_dtype(F.PADDING_MASK, padding, (torch.bool,), "torch.bool (True = padding)")
+    _expect_shape(F.PADDING_MASK, padding, shape, "[batch, sequence] like input_ids")
+    interior = padding[:, :-1] & ~padding[:, 1:]
+    if bool(interior.any()):
+        b, s = (int(i) for i in torch.nonzero(interior)[0])
+        raise ValueError(
+            f"{F.PADDING_MASK}: row {b} has padding at column {s} followed by a token; "
+            "expected padding only at the end of each row"
+        )
+    _validate_positions(batch, shape)
+    ids = _tensor(batch, F.DOCUMENT_IDS)
+    _expect_dtype(F.DOCUMENT_IDS, ids, (torch.int64,), "torch.int64")
+    _expect_shape(F.DOCUMENT_IDS, ids, shape, "[batch, sequence] like input_ids")
+    _validate_document_ids(F.DOCUMENT_IDS, ids, padding)
+
+    if attention_eligibility is None:
+        batch[F.ATTENTION_DOCUMENT_IDS] = ids
+        return batch  # type: ignore[return-value]
+    if not isinstance(attention_eligibility, torch.Tensor):
+        raise TypeError(
+            f"{F.ATTENTION_ELIGIBILITY}: got {type(attention_eligibility).__name__}, expected a bool tensor"
+        )
+    _expect_dtype(F.ATTENTION_ELIGIBILITY, attention_eligibility, (torch.bool,), "torch.bool (True = eligible)")
+    _expect_shape(F.ATTENTION_ELIGIBILITY, attention_eligibility, shape, "[batch, sequence] like input_ids")
+    batch[F.ATTENTION_DOCUMENT_IDS] = ids.masked_fill(~attention_eligibility, 0)
+    return batch  # type: ignore[return-value]
+
+
+def enable_xdoc_attention(batch: MutableMapping[str, Any], packing_contract: object) -> TrainingBatch:
+    """Join attention and position ranges inside each packed row (cross-document attention).
+
+    * ``attention_document_ids``: every nonzero entry of a row becomes 1;
+      excluded tokens (ineligible, padding) stay 0.
+    * ``position_ids``: subdocument ``k`` of a row is shifted by
+      ``offset_k = offset_(k-1) + max_coord(k-1) + 1`` (``offset_1 = 0``), where
+      ``max_coord(j)`` is the largest position of subdocument ``j`` over all its
+      tokens (ineligible included) and all axes. ``[A, B, S]`` positions shift
+      every axis by the same offset. Padding positions are left as they are.
+
+    Args:
+        batch: Owned mapping as returned by :func:`adapt_model_inputs`
+            (``document_ids``, ``attention_document_ids`` int64 ``[B, S]``;
+            ``position_ids`` ``[B, S]`` or ``[A, B, S]``, local per subdocument).
+        packing_contract: The model's contract, validated like
+            :func:`require_supported_packing_contract`.
+
+    Returns:
+        The same mapping with joined ``attention_document_ids`` and translated
+        ``position_ids`` (new tensors; the inputs are untouched).
+
+    Raises:
+        ValueError/TypeError: Invalid contract or batch (see :func:`adapt_model_inputs`).
+    """
+    validate_packing_contract(packing_contract)
+    ids = _tensor(batch, F.DOCUMENT_IDS)
+    if F.ATTENTION_DOCUMENT_IDS not in batch:
+        raise ValueError(
+            f"{F.ATTENTION_DOCUMENT_IDS}: missing; expected adapt_model_inputs to run before enable_xdoc_attention"
+        )
+    attention_ids = _tensor(batch, F.ATTENTION_DOCUMENT_IDS)
+    padding = _tensor(batch, F.PADDING_MASK)
+    if ids.ndim != 2:
+        raise ValueError(f"{F.DOCUMENT_IDS}: got shape {tuple(ids.shape)}, expected rank 2 [batch, sequence]")
+    _expect_dtype(F.DOCUMENT_IDS, ids, (torch.int64,), "torch.int64")
+    _expect_dtype(F.ATTENTION_DOCUMENT_IDS, attention_ids, (torch.int64,), "torch.int64")
+    _expect_shape(F.ATTENTION_DOCUMENT_IDS, attention_ids, tuple(ids.shape), "[batch, sequence] like document_ids")
+    _expect_shape(F.PADDING_MASK, padding, tuple(ids.shape), "[batch, sequence] like document_ids")
+    _validate_document_ids(F.DOCUMENT_IDS, ids, padding)
+    if bool(((attention_ids != 0) & (attention_ids != ids)).any()):
+        raise ValueError(
+            f"{F.ATTENTION_DOCUMENT_IDS}: must equal {F.DOCUMENT_IDS} or 0 at every token; "
+            "expected the output of adapt_model_inputs"
+        )
+    positions = _validate_positions(batch, tuple(ids.shape))
+
+    batch[F.ATTENTION_DOCUMENT_IDS] = (attention_ids != 0).to(torch.int64)
+    batch[F.POSITION_IDS] = positions + subdocument_position_offsets(ids, positions).to(positions.dtype)
+    return batch  # type: ignore[return-value]
+
+
+def subdocument_position_offsets(document_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token offsets making each row's subdocuments continue one another.
+
+    Args:
+        document_ids: int64 ``[B, S]``, 1-based, 0 at padding.
+        position_ids: integer ``[B, S]`` or ``[A, B, S]``, nonnegative.
+
+    Returns:
+        int64 ``[B, S]``: ``offset_k`` of each token's subdocument (0 at padding).
+    """
+    batch_size = document_ids.shape[0]
+    coords = position_ids if position_ids.ndim == 2 else position_ids.amax(dim=0)
+    max_id = int(document_ids.max()) if document_ids.numel() else 0
+    # Column d holds max_coord(d) + 1 for present ids (0 for absent ids and the padding column 0).
+    spans = torch.zeros(batch_size, max_id + 1, dtype=torch.int64, device=document_ids.device)
+    spans.scatter_reduce_(1, document_ids, coords.to(torch.int64) + 1, reduce="amax", include_self=True)
+    spans[:, 0] = 0
+    offsets = spans.cumsum(dim=1) - spans  # exclusive prefix sum over ids
+    return offsets.gather(1, document_ids).masked_fill(document_ids == 0, 0)
+
+
+def require_supported_packing_contract(
+    packing_contract: object,
+    *,
+    attention_eligibility: bool = False,
+    return_packed_sequence_metadata: bool = False,
+    micro_batch_size: int | None = None,
+    sequence_length: int | None = None,
+    block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES,
+) -> None:
+    """Validate the model's packed interface once, at loader construction.
+
+    Builders call this before any Zephon source or worker starts; the contract
+    is fixed for the loader's life and never rechecked per batch.
+
+    Args:
+        packing_contract: Object with ``packed_mask_type``,
+            ``requires_packed_sequence_metadata`` and optional ``qkv_format``.
+        attention_eligibility: Whether a processor supplies per-token eligibility.
+        return_packed_sequence_metadata: The user asks for the gathered-token
+            bundle (a contract that requires it gets it regardless).
+        micro_batch_size, sequence_length: ``B`` and ``S``, to size a block-causal mask.
+        block_mask_budget_bytes: Largest ``[B, 1, S, S]`` bool mask allowed per batch.
+
+    Raises:
+        TypeError: Missing contract attributes or wrong types.
+        ValueError: Unknown values, or a combination the loader cannot build
+            (the message says what to use instead).
+    """
+    mask_type, _requires, qkv_format = validate_packing_contract(packing_contract)
+    if not isinstance(return_packed_sequence_metadata, bool):
+        raise TypeError(
+            "return_packed_sequence_metadata: got "
+            f"{type(return_packed_sequence_metadata).__name__}, expected bool"
+        )
+    if attention_eligibility and mask_type == "flash_varlen":
+        raise ValueError(
+            "packing_contract.packed_mask_type: 'flash_varlen' describes physical segments and cannot exclude "
+            "ineligible tokens inside a document (the hole would split it), but an eligibility field is "
+            "configured; use packed_mask_type 'document_ids' with requires_packed_sequence_metadata=True, "
+            "or 'block_causal'"
+        )
+    if attention_eligibility and qkv_format == "thd":
+        raise ValueError(
+            "packing_contract.qkv_format: 'thd' (seq_lens_padded) describes physical spans and cannot exclude "
+            "ineligible tokens inside a document, but an eligibility field is configured; use "
+            "packed_mask_type 'document_ids' with requires_packed_sequence_metadata=True and qkv_format 'bshd'"
+        )
+    if mask_type == "block_causal" and micro_batch_size is not None and sequence_length is not None:
+        for name, value in (("micro_batch_size", micro_batch_size), ("sequence_length", sequence_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: got {value!r}, expected a positive int")
+        cost = micro_batch_size * sequence_length * sequence_length
+        if cost > block_mask_budget_bytes:
+            raise ValueError(
+                f"packing_contract.packed_mask_type: a 'block_causal' mask [B, 1, S, S] = "
+                f"[{micro_batch_size}, 1, {sequence_length}, {sequence_length}] costs {cost:,} bytes per batch, "
+                f"over the budget of {block_mask_budget_bytes:,}; use packed_mask_type 'document_ids' "
+                "(with metadata for FA4), a smaller micro_batch_size/sequence_length, or raise "
+                "block_mask_budget_bytes"
+            )

@@ -1,0 +1,110 @@
+"""The one table of field names.
+
+Every batch key the package reads or writes is spelled here and nowhere else:
+the internal :class:`~zephon_loader.attention.TrainingBatch` keys (left side of
+the data flow) and the AutoModel 0.7.0 aliases the loader yields (right side).
+Other modules import these constants; a renamed AutoModel field is a one-line
+change in this file.
+
+Yielded batch per packed contract (SPEC §6), ``ids`` = attention document ids:
+
+==========================  ===================================================
+contract                    fields added to the always-present ones
+==========================  ===================================================
+``document_ids``            ``attention_mask`` = ids, int64 ``[B, S]``
+``block_causal``            ``attention_mask`` bool ``[B, 1, S, S]``
+``flash_varlen``            ``cu_seq_lens_q/k`` int32 ``[segments + 1]``,
+                            ``max_length_q/k`` int (no ``attention_mask``)
+requires metadata           ``packed_token_indices`` int64 ``[B, S]``,
+                            ``cu_seqlens`` int32 ``[B, D + 1]``, ``max_seqlen``
+``qkv_format == "thd"``     ``qkv_format``, ``seq_lens``/``seq_lens_padded``
+                            int64 ``[B, max_docs]`` (``-1000`` sentinel)
+==========================  ===================================================
+
+Always present: ``input_ids``, ``labels``, ``position_ids``, ``padding_mask``;
+``_packed_seq_ids`` when a row holds more than one document or metadata is
+required.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- token fields (internal and yielded names coincide) -----------------------
+INPUT_IDS: Final = "input_ids"
+LABELS: Final = "labels"
+PADDING_MASK: Final = "padding_mask"
+POSITION_IDS: Final = "position_ids"
+
+# --- internal document membership ---------------------------------------------
+DOCUMENT_IDS: Final = "document_ids"
+ATTENTION_DOCUMENT_IDS: Final = "attention_document_ids"
+#: Optional per-token bool from a processor; False = neither attends nor is attended.
+ATTENTION_ELIGIBILITY: Final = "attention_eligibility"
+
+# --- packed-sequence metadata (AutoModel's gathered-token bundle) ---------------
+PACKED_TOKEN_INDICES: Final = "packed_token_indices"
+#: Before the final map: Zephon's physical offsets; after: gathered-token offsets.
+CU_SEQLENS: Final = "cu_seqlens"
+MAX_SEQLEN: Final = "max_seqlen"
+
+# --- yielded attention representations ------------------------------------------
+ATTENTION_MASK: Final = "attention_mask"
+PACKED_SEQ_IDS: Final = "_packed_seq_ids"
+CU_SEQ_LENS_Q: Final = "cu_seq_lens_q"
+CU_SEQ_LENS_K: Final = "cu_seq_lens_k"
+MAX_LENGTH_Q: Final = "max_length_q"
+MAX_LENGTH_K: Final = "max_length_k"
+QKV_FORMAT: Final = "qkv_format"
+SEQ_LENS: Final = "seq_lens"
+SEQ_LENS_PADDED: Final = "seq_lens_padded"
+
+#: Fields every yielded batch carries, whatever the contract.
+ALWAYS: Final[tuple[str, ...]] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
+
+#: Fields added per packed mask type (SPEC §6 table, first three rows).
+BY_MASK_TYPE: Final[dict[str, tuple[str, ...]]] = {
+    "document_ids": (ATTENTION_MASK,),
+    "block_causal": (ATTENTION_MASK,),
+    "flash_varlen": (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K),
+}
+
+#: Fields added when the contract requires (or the user requests) packed metadata.
+METADATA: Final[tuple[str, ...]] = (PACKED_TOKEN_INDICES, CU_SEQLENS, MAX_SEQLEN)
+
+#: Fields added for Transformer Engine THD (``qkv_format == "thd"``).
+THD: Final[tuple[str, ...]] = (QKV_FORMAT, SEQ_LENS, SEQ_LENS_PADDED)
+
+#: Sentinel filling unused ``seq_lens``/``seq_lens_padded`` entries (TE convention).
+THD_SENTINEL: Final = -1000
+#: Label value ignored by the loss (torch ``cross_entropy``'s default ``ignore_index``).
+IGNORE_INDEX: Final = -100
+
+
+def yielded_fields(
+    packed_mask_type: str, *, metadata: bool, thd: bool
+) -> tuple[str, ...]:
+    """Names a yielded batch carries for one contract, in yield order.
+
+    ``_packed_seq_ids`` is left out: it depends on the batch (present when a
+    row holds more than one document) unless ``metadata`` is on, where it is
+    always present.
+
+    Args:
+        packed_mask_type: ``"block_causal"``, ``"document_ids"`` or ``"flash_varlen"``.
+        metadata: Whether the gathered-token metadata bundle is yielded.
+        thd: Whether TE THD fields are yielded.
+
+    Raises:
+        ValueError: On an unknown ``packed_mask_type``.
+    """
+    if packed_mask_type not in BY_MASK_TYPE:
+        raise ValueError(
+            f"packed_mask_type: got {packed_mask_type!r}, expected one of {sorted(BY_MASK_TYPE)}"
+        )
+    names = ALWAYS + BY_MASK_TYPE[packed_mask_type]
+    if metadata:
+        names += METADATA + (PACKED_SEQ_IDS,)
+    if thd:
+        names += THD
+    return names
