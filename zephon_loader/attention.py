@@ -226,9 +226,19 @@ def enable_xdoc_attention(batch: MutableMapping[str, Any], packing_contract: obj
             f"{F.ATTENTION_DOCUMENT_IDS}: must equal {F.DOCUMENT_IDS} or 0 at every token; "
             "expected the output of adapt_model_inputs"
         )
-    positions = _validate_positions(batch, tuple(ids.shape))
+    _validate_positions(batch, tuple(ids.shape))
+    return join_subdocuments(batch)
 
-    batch[F.ATTENTION_DOCUMENT_IDS] = (attention_ids != 0).to(torch.int64)
+
+def join_subdocuments(batch: MutableMapping[str, Any]) -> TrainingBatch:
+    """The xdoc transform itself, on a batch already validated by :func:`adapt_model_inputs`.
+
+    Used by the final map, which validates each batch once; call
+    :func:`enable_xdoc_attention` on anything else.
+    """
+    ids = batch[F.DOCUMENT_IDS]
+    positions = batch[F.POSITION_IDS]
+    batch[F.ATTENTION_DOCUMENT_IDS] = (batch[F.ATTENTION_DOCUMENT_IDS] != 0).to(torch.int64)
     batch[F.POSITION_IDS] = positions + subdocument_position_offsets(ids, positions).to(positions.dtype)
     return batch  # type: ignore[return-value]
 
@@ -250,8 +260,8 @@ def subdocument_position_offsets(document_ids: torch.Tensor, position_ids: torch
     spans = torch.zeros(batch_size, max_id + 1, dtype=torch.int64, device=document_ids.device)
     spans.scatter_reduce_(1, document_ids, coords.to(torch.int64) + 1, reduce="amax", include_self=True)
     spans[:, 0] = 0
-    offsets = spans.cumsum(dim=1) - spans  # exclusive prefix sum over ids
-    return offsets.gather(1, document_ids).masked_fill(document_ids == 0, 0)
+    offsets = spans.cumsum(dim=1) - spans  # exclusive prefix sum over ids; column 0 (padding) is 0
+    return offsets.gather(1, document_ids)
 
 
 def require_supported_packing_contract(

@@ -19,7 +19,7 @@ from zephon_loader import fields as F
 from zephon_loader.attention import (
     DEFAULT_BLOCK_MASK_BUDGET_BYTES,
     adapt_model_inputs,
-    enable_xdoc_attention,
+    join_subdocuments,
     require_supported_packing_contract,
 )
 from zephon_loader.packing import (
@@ -195,8 +195,8 @@ def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict
     work = dict(batch)
     eligibility = work.pop(F.ATTENTION_ELIGIBILITY, None)
     adapt_model_inputs(work, eligibility)
-    if settings.xdoc:
-        enable_xdoc_attention(work, settings.packing_contract)
+    if settings.xdoc:  # validated by adapt_model_inputs above; the contract by from_contract
+        join_subdocuments(work)
     ids: torch.Tensor = work[F.ATTENTION_DOCUMENT_IDS]
 
     out: dict[str, Any] = {name: work[name] for name in F.ALWAYS}

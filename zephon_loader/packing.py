@@ -182,20 +182,22 @@ def _check_ids(name: str, ids: torch.Tensor) -> None:
         raise TypeError(f"{name}: got dtype {ids.dtype}, expected an integer dtype (int64)")
 
 
-def document_lengths(ids: torch.Tensor) -> torch.Tensor:
+def document_lengths(ids: torch.Tensor, max_id: int | None = None) -> torch.Tensor:
     """Token count of every document id in every row.
 
     Args:
         ids: Integer ``[B, S]``; ``0`` marks excluded tokens, ``d > 0`` document ``d``.
             Must be nonnegative (callers validate).
+        max_id: ``ids.max()`` when the caller already knows it.
 
     Returns:
         int64 ``[B, D]`` with ``D = max(1, ids.max())``; entry ``[b, d-1]`` counts
         tokens of row ``b`` with id ``d`` (0 for absent ids).
     """
     batch_size = ids.shape[0]
-    max_documents = max(1, int(ids.max())) if ids.numel() else 1
-    counts = torch.zeros(batch_size, max_documents + 1, dtype=torch.int64, device=ids.device)
+    if max_id is None:
+        max_id = int(ids.max()) if ids.numel() else 0
+    counts = torch.zeros(batch_size, max(1, max_id) + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(1, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int64))
     return counts[:, 1:]
 
@@ -213,11 +215,11 @@ def compact_left(values: torch.Tensor, keep: torch.Tensor, fill: int, width: int
         ``[B, width]`` tensor of ``values.dtype``.
     """
     batch_size = values.shape[0]
-    out = torch.full((batch_size, width), fill, dtype=values.dtype, device=values.device)
-    slot = keep.cumsum(dim=1) - 1
-    rows = torch.arange(batch_size, device=values.device).unsqueeze(1).expand_as(keep)
-    out[rows[keep], slot[keep]] = values[keep]
-    return out
+    # Dropped entries are scattered into one spare column past `width`, then cut off.
+    out = torch.full((batch_size, width + 1), fill, dtype=values.dtype, device=values.device)
+    slot = torch.where(keep, keep.cumsum(dim=1) - 1, width)
+    out.scatter_(1, slot, values)
+    return out[:, :width]
 
 
 def build_packed_sequence_metadata(attention_document_ids: torch.Tensor) -> PackedSequenceMetadata:
@@ -247,19 +249,20 @@ def build_packed_sequence_metadata(attention_document_ids: torch.Tensor) -> Pack
     """
     ids = attention_document_ids
     _check_ids("attention_document_ids", ids)
-    if ids.numel() == 0 or not bool((ids != 0).any()):
+    low, high = (int(v) for v in ids.aminmax()) if ids.numel() else (0, 0)
+    if low < 0:
+        raise ValueError(f"attention_document_ids: got minimum {low}, expected nonnegative ids")
+    if high == 0:
         raise ValueError(
             f"attention_document_ids: no valid (nonzero) token in a batch of shape {tuple(ids.shape)}; "
             "expected at least one token that is neither padding nor ineligible"
         )
-    if bool((ids < 0).any()):
-        raise ValueError(f"attention_document_ids: got minimum {int(ids.min())}, expected nonnegative ids")
     batch_size, sequence_length = ids.shape
     valid = ids != 0
     columns = torch.arange(sequence_length, device=ids.device).expand(batch_size, -1)
     packed_token_indices = torch.where(valid, columns, torch.full_like(columns, -1))
 
-    counts = document_lengths(ids)  # [B, D]
+    counts = document_lengths(ids, high)  # [B, D]
     present = counts > 0
     cumulative = counts.cumsum(dim=1).to(torch.int32)
     width = counts.shape[1] + 1

@@ -1,0 +1,128 @@
+"""adapt_model_inputs, enable_xdoc_attention, require_supported_packing_contract (SPEC §5, §9)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_xdoc_positions
+from zephon_loader import fields as F
+from zephon_loader.attention import (
+    adapt_model_inputs,
+    enable_xdoc_attention,
+    require_supported_packing_contract,
+)
+from zephon_loader.packing import PackingContract
+
+DOCS = PackingContract("document_ids", True)
+
+
+def spec_batch():
+    """SPEC §9: S=8, B=2; row 1 column 2 is ineligible."""
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+    batch = {
+        F.INPUT_IDS: torch.arange(16).view(2, 8),
+        F.LABELS: torch.arange(16).view(2, 8),
+        F.PADDING_MASK: ids == 0,
+        F.POSITION_IDS: torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]]),
+        F.DOCUMENT_IDS: ids,
+    }
+    eligibility = torch.ones(2, 8, dtype=torch.bool)
+    eligibility[1, 2] = False
+    return batch, eligibility
+
+
+def test_worked_example_adapt_and_xdoc():
+    batch, eligibility = spec_batch()
+    before = clone_batch(batch)
+    out = adapt_model_inputs(batch, eligibility)
+    assert out[F.ATTENTION_DOCUMENT_IDS].tolist() == [[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]]
+    out = enable_xdoc_attention(out, DOCS)
+    assert out[F.ATTENTION_DOCUMENT_IDS].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 1, 1, 1, 1]]
+    assert out[F.POSITION_IDS].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert out[F.DOCUMENT_IDS].tolist() == before[F.DOCUMENT_IDS].tolist()  # membership preserved
+
+
+def test_adapt_never_modifies_input_tensors():
+    batch, eligibility = spec_batch()
+    tensors = dict(batch)
+    snapshot = clone_batch(batch)
+    eligibility_before = eligibility.clone()
+    enable_xdoc_attention(adapt_model_inputs(batch, eligibility), DOCS)
+    assert_unchanged(snapshot, tensors)
+    assert torch.equal(eligibility, eligibility_before)
+
+
+def test_adapt_without_eligibility_keeps_ids():
+    batch, _ = spec_batch()
+    out = adapt_model_inputs(batch)
+    assert torch.equal(out[F.ATTENTION_DOCUMENT_IDS], out[F.DOCUMENT_IDS])
+
+
+@settings(max_examples=150, deadline=None)
+@given(packed_batches())
+def test_xdoc_properties(batch):
+    eligibility = batch.pop(F.ATTENTION_ELIGIBILITY, None)
+    original = dict(batch)
+    snapshot = clone_batch(batch)
+    out = enable_xdoc_attention(adapt_model_inputs(batch, eligibility), DOCS)
+    assert_unchanged(snapshot, original)
+
+    ids, padding = snapshot[F.DOCUMENT_IDS], snapshot[F.PADDING_MASK]
+    excluded = padding if eligibility is None else padding | ~eligibility
+    assert torch.equal(out[F.ATTENTION_DOCUMENT_IDS], (~excluded).long())
+    expected = reference_xdoc_positions(ids, snapshot[F.POSITION_IDS])
+    assert torch.equal(out[F.POSITION_IDS], expected)
+    positions = out[F.POSITION_IDS]
+    if positions.ndim == 2:  # plain text: 0..n-1 across each row, padding untouched
+        for b in range(ids.shape[0]):
+            n = int((~padding[b]).sum())
+            assert positions[b, :n].tolist() == list(range(n))
+            assert torch.equal(positions[b, n:], snapshot[F.POSITION_IDS][b, n:])
+    else:  # every axis shifted by the same per-subdocument offset
+        shift = positions - snapshot[F.POSITION_IDS]
+        assert torch.equal(shift, shift[:1].expand_as(shift))
+
+
+def test_xdoc_three_axis_offsets_use_max_over_axes():
+    ids = torch.tensor([[1, 1, 1, 2, 2]])
+    positions = torch.tensor([[[0, 1, 2, 0, 1]], [[0, 5, 5, 0, 0]], [[0, 3, 7, 0, 1]]])
+    batch = {
+        F.INPUT_IDS: torch.zeros(1, 5, dtype=torch.long),
+        F.LABELS: torch.zeros(1, 5, dtype=torch.long),
+        F.PADDING_MASK: torch.zeros(1, 5, dtype=torch.bool),
+        F.POSITION_IDS: positions,
+        F.DOCUMENT_IDS: ids,
+    }
+    out = enable_xdoc_attention(adapt_model_inputs(batch), DOCS)
+    # max_coord(doc 1) = 7, so doc 2 shifts by 8 on every axis.
+    assert out[F.POSITION_IDS][:, 0, 3:].tolist() == [[8, 9], [8, 8], [8, 9]]
+
+
+def test_require_contract_accepts_automodel_capabilities():
+    pytest.importorskip("nemo_automodel", reason="nemo-automodel 0.7.0 not installed (pip install --no-deps)")
+    from nemo_automodel.components.models.common.packing import PackingCapabilities
+
+    require_supported_packing_contract(PackingCapabilities("document_ids", True, uses_native_fa4=True))
+    require_supported_packing_contract(PackingCapabilities("flash_varlen"))
+
+
+def test_require_contract_refuses_holes_in_physical_offsets():
+    with pytest.raises(ValueError, match="flash_varlen.*document_ids"):
+        require_supported_packing_contract(PackingContract("flash_varlen"), attention_eligibility=True)
+    with pytest.raises(ValueError, match="thd"):
+        require_supported_packing_contract(PackingContract("block_causal", False, "thd"), attention_eligibility=True)
+    require_supported_packing_contract(PackingContract("document_ids", True), attention_eligibility=True)
+    require_supported_packing_contract(PackingContract("block_causal"), attention_eligibility=True)
+
+
+def test_require_contract_block_mask_budget():
+    contract = PackingContract("block_causal")
+    require_supported_packing_contract(contract, micro_batch_size=16, sequence_length=8192)  # exactly 1 GiB: allowed
+    with pytest.raises(ValueError, match="2,147,483,648 bytes per batch, over the budget of 1,073,741,824"):
+        require_supported_packing_contract(contract, micro_batch_size=32, sequence_length=8192)
+    with pytest.raises(ValueError, match="budget"):
+        require_supported_packing_contract(contract, micro_batch_size=1, sequence_length=64, block_mask_budget_bytes=4095)
+    # Not a block-causal contract: no mask, no budget.
+    require_supported_packing_contract(PackingContract("document_ids"), micro_batch_size=64, sequence_length=131072)

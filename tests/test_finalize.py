@@ -1,0 +1,149 @@
+"""The final map stage: yielded fields per contract (SPEC §6), against the rules and AutoModel 0.7.0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_metadata
+from zephon_loader import fields as F
+from zephon_loader.finalize import FinalizeSettings, finalize_batch
+from zephon_loader.packing import PackingContract
+
+CONTRACTS = [
+    PackingContract("document_ids"),
+    PackingContract("document_ids", True),
+    PackingContract("block_causal"),
+    PackingContract("block_causal", True),
+    PackingContract("flash_varlen"),
+    PackingContract("flash_varlen", True),
+    PackingContract("document_ids", True, "thd"),
+    PackingContract("block_causal", False, "thd"),
+]
+
+
+def _settings(contract, xdoc, eligibility):
+    return FinalizeSettings.from_contract(contract, xdoc=xdoc, attention_eligibility=eligibility)
+
+
+def _servable(contract, eligibility):
+    return not eligibility or (contract.packed_mask_type != "flash_varlen" and contract.qkv_format != "thd")
+
+
+def _expected_ids(batch, xdoc):
+    ids = batch[F.DOCUMENT_IDS]
+    if F.ATTENTION_ELIGIBILITY in batch:
+        ids = ids.masked_fill(~batch[F.ATTENTION_ELIGIBILITY], 0)
+    return (ids != 0).long() if xdoc else ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(packed_batches(), st.sampled_from(CONTRACTS), st.booleans())
+def test_yielded_batch_follows_spec_table(batch, contract, xdoc):
+    has_eligibility = F.ATTENTION_ELIGIBILITY in batch
+    if not _servable(contract, has_eligibility):
+        with pytest.raises(ValueError):
+            _settings(contract, xdoc, has_eligibility)
+        return
+    config = _settings(contract, xdoc, has_eligibility)
+    ids = _expected_ids(batch, xdoc)
+    if config.metadata and not bool((ids != 0).any()):
+        with pytest.raises(ValueError, match="no valid"):
+            finalize_batch(batch, config)
+        return
+    snapshot = clone_batch(batch)
+    out = finalize_batch(batch, config)
+    assert_unchanged(snapshot, batch)
+
+    for name in config.yielded_fields:
+        assert name in out, name
+    for name in (F.DOCUMENT_IDS, F.ATTENTION_DOCUMENT_IDS, F.ATTENTION_ELIGIBILITY):
+        assert name not in out
+    assert torch.equal(out[F.INPUT_IDS], batch[F.INPUT_IDS])
+    assert torch.equal(out[F.LABELS], batch[F.LABELS])
+    assert torch.equal(out[F.PADDING_MASK], batch[F.PADDING_MASK])
+    batch_size, sequence_length = ids.shape
+
+    if contract.packed_mask_type == "document_ids":
+        assert torch.equal(out[F.ATTENTION_MASK], ids)
+    elif contract.packed_mask_type == "block_causal":
+        mask = out[F.ATTENTION_MASK]
+        assert mask.dtype == torch.bool and mask.shape == (batch_size, 1, sequence_length, sequence_length)
+        for b in range(batch_size):
+            for i in range(sequence_length):
+                for j in range(sequence_length):
+                    allowed = bool(ids[b, i] != 0 and ids[b, i] == ids[b, j] and j <= i)
+                    assert bool(mask[b, 0, i, j]) == allowed
+    else:
+        assert F.ATTENTION_MASK not in out
+        flat = ids.flatten().tolist()
+        starts = [p for p in range(len(flat)) if p % sequence_length == 0 or flat[p] != flat[p - 1]]
+        assert out[F.CU_SEQ_LENS_Q].tolist() == starts + [len(flat)]
+        assert out[F.CU_SEQ_LENS_Q].dtype == torch.int32
+        assert out[F.CU_SEQ_LENS_K] is out[F.CU_SEQ_LENS_Q]
+        lengths = [b - a for a, b in zip(starts, starts[1:] + [len(flat)])]
+        assert out[F.MAX_LENGTH_Q] == out[F.MAX_LENGTH_K] == max(lengths)
+
+    if config.metadata:
+        ref = reference_metadata(ids)
+        assert torch.equal(out[F.PACKED_TOKEN_INDICES], ref[F.PACKED_TOKEN_INDICES])
+        assert torch.equal(out[F.CU_SEQLENS], ref[F.CU_SEQLENS])
+        assert out[F.MAX_SEQLEN] == ref[F.MAX_SEQLEN]
+    else:
+        assert F.CU_SEQLENS not in out and F.PACKED_TOKEN_INDICES not in out
+
+    if config.thd:
+        assert out[F.QKV_FORMAT] == "thd"
+        seq_lens, padded = out[F.SEQ_LENS], out[F.SEQ_LENS_PADDED]
+        assert seq_lens.dtype == padded.dtype == torch.int64
+        for b in range(batch_size):
+            present = [d for d in range(1, int(ids[b].max()) + 1) if (ids[b] == d).any()]
+            real = [int((ids[b] == d).sum()) for d in present] or [0]
+            width = seq_lens.shape[1]
+            assert seq_lens[b].tolist() == real + [F.THD_SENTINEL] * (width - len(real))
+            row = padded[b][padded[b] != F.THD_SENTINEL]
+            assert int(row.sum()) == sequence_length
+            assert row[:-1].tolist() == real[:-1]
+
+    multi = bool((ids > 1).any())
+    assert (F.PACKED_SEQ_IDS in out) == (multi or config.metadata)
+    if F.PACKED_SEQ_IDS in out:
+        assert torch.equal(out[F.PACKED_SEQ_IDS], ids)
+
+
+def test_extra_fields_pass_through_and_physical_offsets_are_replaced():
+    ids = torch.tensor([[1, 1, 2, 0]])
+    batch = {
+        F.INPUT_IDS: torch.tensor([[5, 6, 7, 0]]),
+        F.LABELS: torch.tensor([[6, -100, -100, -100]]),
+        F.PADDING_MASK: ids == 0,
+        F.POSITION_IDS: torch.tensor([[0, 1, 0, 0]]),
+        F.DOCUMENT_IDS: ids,
+        F.CU_SEQLENS: torch.tensor([[0, 2, 3, 4]], dtype=torch.int32),  # Zephon's physical offsets
+        "pixel_values": torch.ones(1, 3),
+    }
+    no_meta = finalize_batch(batch, FinalizeSettings.from_contract(PackingContract("document_ids")))
+    assert F.CU_SEQLENS not in no_meta
+    assert no_meta["pixel_values"] is batch["pixel_values"]
+    meta = finalize_batch(batch, FinalizeSettings.from_contract(PackingContract("document_ids", True)))
+    assert meta[F.CU_SEQLENS].tolist() == [[0, 2, 3]]
+
+
+def test_requested_metadata_without_contract_requirement():
+    config = FinalizeSettings.from_contract(PackingContract("block_causal"), return_packed_sequence_metadata=True)
+    assert config.metadata
+    assert set(F.METADATA) <= set(config.yielded_fields)
+
+
+def test_worked_example_flash_varlen():
+    """SPEC §9: the eligibility hole splits row 1's first document."""
+    ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+    eligibility = torch.ones(2, 8, dtype=torch.bool)
+    eligibility[1, 2] = False
+    from zephon_loader.finalize import flash_varlen_kwargs
+
+    kwargs = flash_varlen_kwargs(ids.masked_fill(~eligibility, 0))
+    assert kwargs[F.CU_SEQ_LENS_Q].tolist() == [0, 3, 5, 8, 10, 11, 12, 16]
+    assert kwargs[F.MAX_LENGTH_Q] == 4
