@@ -1,0 +1,215 @@
+"""Builders: configuration → validated contract → Zephon pipeline → ZephonLoader.
+
+The packing contract is checked first, once, before any Zephon source or
+worker starts (SPEC §5): a loader that cannot serve the model never begins
+reading data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping
+
+from zephon_loader.collate import collate
+from zephon_loader.config import (
+    TextLoaderConfig,
+    from_mapping,
+    load_yaml,
+)
+from zephon_loader.finalize import FinalizeSettings
+from zephon_loader.loader import ZephonLoader
+from zephon_loader.packing import validate_packing_contract
+from zephon_loader.source import SourceSpec, ZephonSource, build_pipeline
+
+
+def _as_config(config: TextLoaderConfig | Mapping[str, Any] | str | Path) -> TextLoaderConfig:
+    if isinstance(config, TextLoaderConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        path = Path(config).resolve()
+        data = load_yaml(path)
+        node = data.get("dataloader", data)
+        if not isinstance(node, Mapping):
+            raise TypeError(f"{path}: 'dataloader' holds {type(node).__name__}, expected a mapping")
+        node = {key: value for key, value in node.items() if key != "_target_"}
+        node.setdefault("base_dir", str(path.parent))
+        return from_mapping(TextLoaderConfig, node, "dataloader")
+    if isinstance(config, Mapping):
+        return from_mapping(TextLoaderConfig, {k: v for k, v in config.items() if k != "_target_"}, "dataloader")
+    raise TypeError(
+        f"config: got {type(config).__name__}, expected a TextLoaderConfig, a mapping, or a YAML path"
+    )
+
+
+def _same_contract(a: object, b: object) -> bool:
+    return validate_packing_contract(a) == validate_packing_contract(b)
+
+
+def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> object:
+    """The contract to serve: the model's (``packing_contract``) or the configured one.
+
+    Raises:
+        ValueError: Both are given and disagree (the model's contract wins only
+            when the YAML leaves ``contract`` unset).
+    """
+    if packing_contract is None:
+        return config.packing_contract()
+    validate_packing_contract(packing_contract)
+    if config.contract is not None and not _same_contract(packing_contract, config.packing_contract()):
+        raise ValueError(
+            f"dataloader.contract: the YAML asks for {validate_packing_contract(config.packing_contract())} "
+            f"(mask type, metadata, qkv format) but the model requires {validate_packing_contract(packing_contract)}; "
+            "remove 'contract' from the YAML to follow the model, or make them agree"
+        )
+    return packing_contract
+
+
+def _recipe_tokenizer_dir(tokenizer: Any) -> str:
+    """A local folder Zephon can load the recipe's tokenizer from (never a hub id)."""
+    name = getattr(tokenizer, "name_or_path", None)
+    if name and Path(name).is_dir():
+        return str(Path(name).resolve())
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(
+            f"tokenizer: got {type(tokenizer).__name__} without save_pretrained; expected a Hugging Face tokenizer, "
+            "or set dataloader.tokenizer.path to a local tokenizer folder"
+        )
+    folder = tempfile.mkdtemp(prefix="zephon_loader_tokenizer_")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def build_text_loader(
+    config: TextLoaderConfig | Mapping[str, Any] | str | Path,
+    *,
+    packing_contract: object | None = None,
+    tokenizer: Any = None,
+    dp_rank: int = 0,
+    dp_world_size: int = 1,
+    collate_wrapper: Callable | None = None,
+    dataset_build_context: ContextManager[Any] | None = None,
+    pin_memory: bool | None = None,
+) -> ZephonLoader:
+    """Build a :class:`~zephon_loader.loader.ZephonLoader` for text (or pretokenized, or chat) sources.
+
+    Args:
+        config: A :class:`~zephon_loader.config.TextLoaderConfig`, its YAML
+            mapping, or a YAML path (its ``dataloader`` section, relative
+            paths resolved against the file's folder).
+        packing_contract: The model's contract; ``None`` uses the YAML's
+            ``contract`` (default: block-causal, no metadata).
+        tokenizer: The recipe's tokenizer, used when the YAML names none.
+        dp_rank, dp_world_size: This rank's data-parallel coordinates; Zephon
+            gives each DP rank its own lane. With ``dp_world_size > 1`` set
+            ``distributed.aggregate_dir`` or ``aggregate_store`` (+ ``run_id``).
+        collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
+        dataset_build_context: Entered while the Zephon pipeline is built (AutoModel's rank ordering).
+        pin_memory: ``None`` = pin when CUDA is available.
+
+    Raises:
+        TypeError/ValueError: Bad configuration or contract, before anything starts.
+    """
+    cfg = _as_config(config)
+    contract = resolve_contract(cfg, packing_contract)
+    settings = FinalizeSettings.from_contract(
+        contract,
+        xdoc=cfg.xdoc,
+        return_packed_sequence_metadata=cfg.return_packed_sequence_metadata,
+        attention_eligibility=cfg.eligibility_field is not None,
+        micro_batch_size=cfg.micro_batch_size,
+        sequence_length=cfg.sequence_length,
+        block_mask_budget_bytes=cfg.block_mask_budget_bytes,
+    )
+    for name, value, low in (("dp_rank", dp_rank, 0), ("dp_world_size", dp_world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: got {value!r}, expected an int >= {low}")
+    if dp_rank >= dp_world_size:
+        raise ValueError(f"dp_rank: got {dp_rank}, expected < dp_world_size ({dp_world_size})")
+
+    tok = cfg.tokenizer
+    tokenizer_path: str | None = str(cfg.resolve_path(tok.path)) if tok.path is not None else None
+    if tokenizer_path is None and tok.pretokenized_field is None and tokenizer is not None:
+        tokenizer_path = _recipe_tokenizer_dir(tokenizer)
+    chat_template = tok.chat_template
+    if chat_template is not None and not chat_template.lstrip().startswith("{"):
+        chat_template = str(cfg.resolve_path(chat_template))
+    sources = [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources]
+    dist = cfg.distributed
+    world_size, global_rank = _world(dp_rank, dp_world_size)
+
+    with dataset_build_context or contextlib.nullcontext():
+        pipeline = build_pipeline(
+            sources,
+            seq_len=cfg.sequence_length,
+            micro_batch_size=cfg.micro_batch_size,
+            tokenizer=tokenizer_path,
+            text_field=tok.text_field,
+            pretokenized_field=tok.pretokenized_field,
+            chat_field=tok.chat_field,
+            chat_template=chat_template,
+            chat_loss_scope=tok.chat_loss_scope,
+            special_tokens=tok.special_tokens,
+            packing_algorithm=cfg.packing.algorithm,
+            num_bins=cfg.packing.num_bins,
+            eos_token_id=cfg.eos_token_id,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            chunk_size=cfg.chunk_size,
+            eligibility_field=cfg.eligibility_field,
+            world_size=world_size,
+            global_rank=global_rank,
+            dp_degree=dp_world_size,
+            dp_group_id=dp_rank,
+            canonical_replicas=dist.canonical_replicas,
+            aggregate_dir=str(cfg.resolve_path(dist.aggregate_dir)) if dist.aggregate_dir else None,
+            aggregate_store=dist.aggregate_store,
+            run_id=dist.run_id,
+            runtime_options=cfg.runtime.options() or None,
+        )
+    mask_cross = cfg.mask_cross_document_labels if cfg.mask_cross_document_labels is not None else not cfg.xdoc
+    collate_fn = partial(
+        collate,
+        mask_cross_document_labels=mask_cross,
+        eos_mask_loss=cfg.eos_mask_loss,
+        eos_token_id=cfg.eos_token_id,
+        eligibility=cfg.eligibility_field is not None,
+    )
+    fingerprint = {
+        # Paths are left out on purpose: a run may resume where the data is mounted elsewhere.
+        "sources": [[s.name, s.weight] for s in sources],
+        "tokenizer": [tok.text_field, tok.pretokenized_field, tok.chat_field, tok.special_tokens],
+        "sequence_length": cfg.sequence_length,
+        "micro_batch_size": cfg.micro_batch_size,
+        "packing": [cfg.packing.algorithm, cfg.packing.num_bins],
+        "seed": cfg.seed,
+        "shuffle": cfg.shuffle,
+        "chunk_size": cfg.chunk_size,
+        "contract": list(validate_packing_contract(contract)),
+        "xdoc": cfg.xdoc,
+        "eligibility_field": cfg.eligibility_field,
+        "labels": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
+    }
+    return ZephonLoader(
+        ZephonSource(pipeline),
+        collate_fn,
+        settings,
+        read_ahead=cfg.read_ahead,
+        collate_wrapper=collate_wrapper,
+        fingerprint=fingerprint,
+        pin_memory=pin_memory,
+    )
+
+
+def _world(dp_rank: int, dp_world_size: int) -> tuple[int, int]:
+    """Global (world_size, rank): torch.distributed's when initialized, else the DP coordinates."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    return dp_world_size, dp_rank

@@ -1,0 +1,285 @@
+"""Zephon ``SampleBatch`` -> TrainingBatch (SPEC §4).
+
+:func:`collate` calls ``SampleBatch.to_training(return_labels=True, ...)``
+(next-token shift, padding mask, Zephon's physical ``cu_seqlens``), derives
+``document_ids`` and applies the label-masking options. Everything is
+vectorized; nothing modifies a tensor or array it did not create.
+
+Shapes: Zephon packs rows of ``S + 1`` tokens; after the shift every
+per-token field is ``[B, S]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from zephon_loader import fields as F
+from zephon_loader.source import ZephonKeys as Z
+
+__all__ = ["collate", "document_ids_from_positions", "next_token_starts_document"]
+
+
+def _err(where: str, seen: Any, expected: str, fix: str) -> str:
+    return f"{where}: got {seen}, expected {expected}. {fix}"
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {tuple(t.shape)} dtype {t.dtype}"
+    return type(t).__name__
+
+
+def _document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, S]``: True where a subdocument starts (position 0 on every axis, or column 0)."""
+    zero = position_ids == 0
+    if position_ids.dim() == 3:
+        zero = zero.all(dim=0)
+    column0 = torch.zeros_like(zero)
+    column0[:, 0] = True  # fresh tensor, not the caller's
+    return zero | column0
+
+
+def _check_positions(position_ids: Any, where: str) -> None:
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(_err(where, _describe(position_ids), "a torch.Tensor", "Pass int64 positions."))
+    if position_ids.dtype != torch.int64:
+        raise TypeError(_err(where, _describe(position_ids), "dtype torch.int64", "Cast with .long()."))
+    if position_ids.dim() not in (2, 3) or position_ids.shape[-1] < 1:
+        raise ValueError(
+            _err(where, _describe(position_ids), "[B, S] or [A, B, S] with S >= 1", "Pass input-aligned positions.")
+        )
+    if position_ids.numel() and bool((position_ids < 0).any()):
+        raise ValueError(
+            _err(where, f"minimum {int(position_ids.min())}", "nonnegative positions", "Positions are local per subdocument.")
+        )
+
+
+def _check_padding_mask(padding_mask: Any, shape: tuple[int, ...], where: str) -> None:
+    if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
+        raise TypeError(_err(where, _describe(padding_mask), "a bool tensor (True = padding)", "Pass a bool mask."))
+    if tuple(padding_mask.shape) != shape:
+        raise ValueError(_err(where, _describe(padding_mask), f"shape {shape}", "Align the mask with the tokens."))
+    if shape[-1] > 1 and bool((padding_mask[:, :-1] & ~padding_mask[:, 1:]).any()):
+        row = int((padding_mask[:, :-1] & ~padding_mask[:, 1:]).any(dim=1).nonzero()[0])
+        raise ValueError(
+            _err(where, f"a non-padding token after padding in row {row}", "trailing padding only",
+                 "Padding must be the tail of each row.")
+        )
+
+
+def document_ids_from_positions(position_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """Subdocument ids of input-aligned tokens (SPEC §4).
+
+    A new subdocument starts at column 0 and wherever the position is 0 on
+    every axis. Ids are 1-based, increase left to right within a row, and are
+    0 exactly at padding.
+
+    Args:
+        position_ids: int64 ``[B, S]`` or ``[A, B, S]`` (multi-axis RoPE), nonnegative.
+        padding_mask: bool ``[B, S]``, True at trailing padding.
+
+    Returns:
+        int64 ``[B, S]``.
+
+    Raises:
+        TypeError / ValueError: wrong type, dtype, rank or shape; negative
+        positions; padding that is not a trailing run.
+    """
+    _check_positions(position_ids, "position_ids")
+    _check_padding_mask(padding_mask, tuple(position_ids.shape[-2:]), "padding_mask")
+    starts = _document_starts(position_ids)
+    ids = torch.cumsum(starts, dim=1, dtype=torch.int64)
+    return ids.masked_fill(padding_mask, 0)
+
+
+def next_token_starts_document(
+    position_ids: torch.Tensor, last_next_starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bool ``[B, S]``: True at column ``j`` when the label target (token ``j + 1``) starts a new subdocument.
+
+    Args:
+        position_ids: int64 ``[B, S]`` or ``[A, B, S]``, input-aligned.
+        last_next_starts: bool ``[B]``: whether the token after the last input
+            column (the final label target, dropped by the shift) starts a new
+            subdocument. ``None`` means it does not.
+    """
+    _check_positions(position_ids, "position_ids")
+    starts = _document_starts(position_ids)
+    batch = starts.shape[0]
+    if last_next_starts is None:
+        last_next_starts = torch.zeros(batch, dtype=torch.bool)
+    if (
+        not isinstance(last_next_starts, torch.Tensor)
+        or last_next_starts.dtype != torch.bool
+        or tuple(last_next_starts.shape) != (batch,)
+    ):
+        raise ValueError(_err("last_next_starts", _describe(last_next_starts), f"bool [{batch}]", "Pass one flag per row."))
+    return torch.cat([starts[:, 1:], last_next_starts[:, None]], dim=1)
+
+
+def _last_packed_position_is_zero(zephon_batch: Any) -> torch.Tensor:
+    """Whether each packed row's final token (index ``S``, a label target only) has position 0 on every axis."""
+    last = []
+    for record in zephon_batch.records:  # one scalar per row, not per token
+        positions = np.asarray(record.payload[Z.POSITIONS])
+        last.append(bool(np.all(positions[..., -1] == 0)) if positions.size else False)
+    return torch.tensor(last, dtype=torch.bool)
+
+
+def collate(
+    zephon_batch: Any,
+    *,
+    mask_cross_document_labels: bool,
+    eos_mask_loss: bool = False,
+    eos_token_id: int | None = None,
+    eligibility: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Turn one Zephon ``SampleBatch`` (from ``pack_flat(S + 1).batch(B)``) into a TrainingBatch.
+
+    Returned keys (:mod:`zephon_loader.fields`), CPU tensors:
+
+    ==========================  =========  ====================================================
+    key                         dtype      shape / meaning
+    ==========================  =========  ====================================================
+    ``INPUT_IDS``               int64      ``[B, S]`` tokens ``[:, :-1]`` of each packed row
+    ``LABELS``                  int64      ``[B, S]`` tokens ``[:, 1:]``; ``IGNORE_INDEX`` at
+                                           padding, unsupervised (chat loss mask) and masked
+                                           tokens
+    ``PADDING_MASK``            bool       ``[B, S]`` True at trailing padding
+    ``POSITION_IDS``            int64      ``[B, S]`` Zephon's segment-local positions
+    ``DOCUMENT_IDS``            int64      ``[B, S]`` 1-based subdocument index, 0 at padding
+    ``CU_SEQLENS``              int32      ``[B, K]`` Zephon's physical segment offsets
+                                           (padding run included; rows padded with ``S``)
+    ``ATTENTION_ELIGIBILITY``   bool       ``[B, S]`` only when the batch carries it
+    ==========================  =========  ====================================================
+
+    Label masking:
+
+    * ``mask_cross_document_labels`` (required; pass True unless cross-document
+      attention is on): the last token of a subdocument whose target is the
+      first token of the next subdocument gets ``IGNORE_INDEX`` — including the
+      last column, whose target is the dropped ``S + 1``-th token. Positional,
+      independent of token ids.
+    * ``eos_mask_loss`` + ``eos_token_id``: Zephon's semantics — labels are
+      masked where the *input* token equals ``eos_token_id``, i.e. the
+      prediction made *from* EOS (``EOS -> BOS``/next document) is dropped
+      while ``... -> EOS`` stays supervised. Matching is by id: EOS tokens
+      inside a document are masked too, and if BOS == EOS the prediction after
+      BOS is masked as well. With Zephon's ``BOS ... EOS`` bracketing this
+      masks the same labels as ``mask_cross_document_labels`` plus any
+      in-document EOS.
+
+    Args:
+        zephon_batch: A ``zephon.SampleBatch`` whose records are flat
+            ``pack_flat(emit_positions=True)`` payloads.
+        mask_cross_document_labels: See above.
+        eos_mask_loss: See above.
+        eos_token_id: Required when ``eos_mask_loss``; ignored otherwise.
+        eligibility: Carry ``fields.ATTENTION_ELIGIBILITY`` from the payload:
+            ``None`` = when present, ``True`` = required, ``False`` = never.
+
+    Raises:
+        TypeError / ValueError: bad arguments, or Zephon output that is not
+        what this module expects (missing positions, wrong dtype/shape,
+        non-trailing padding, unmasked padding labels).
+    """
+    if not hasattr(zephon_batch, "to_training") or not hasattr(zephon_batch, "records"):
+        raise TypeError(
+            _err("zephon_batch", type(zephon_batch).__name__, "a zephon.SampleBatch",
+                 "Pass the batches a ZephonSource / zephon.Pipeline yields.")
+        )
+    if not isinstance(mask_cross_document_labels, bool):
+        raise TypeError(_err("mask_cross_document_labels", repr(mask_cross_document_labels), "a bool",
+                             "Pass True unless cross-document attention is on."))
+    if not isinstance(eos_mask_loss, bool):
+        raise TypeError(_err("eos_mask_loss", repr(eos_mask_loss), "a bool", "Pass True or False."))
+    if eos_mask_loss and (
+        eos_token_id is None or isinstance(eos_token_id, bool)
+        or not isinstance(eos_token_id, (int, np.integer)) or eos_token_id < 0
+    ):
+        raise ValueError(_err("eos_token_id", repr(eos_token_id), "a nonnegative int when eos_mask_loss=True",
+                              "Pass the EOS id the pipeline appends (tokenizer.eos_token_id)."))
+    if eligibility is not None and not isinstance(eligibility, bool):
+        raise TypeError(_err("eligibility", repr(eligibility), "None, True or False", "Pass a bool or None."))
+    records = zephon_batch.records
+    if len(records) == 0:
+        raise ValueError(_err("zephon_batch", "an empty batch", "at least one record", "Use batch(B) with drop_last."))
+    first = records[0].payload
+    if not isinstance(first, dict):
+        raise TypeError(_err("zephon_batch.records[0].payload", type(first).__name__, "a dict (pack_flat output)",
+                             "Build the pipeline with pack_flat(...).batch(B)."))
+    if Z.POSITIONS not in first:
+        raise ValueError(
+            _err("zephon_batch payload", sorted(map(str, first)), f"a {Z.POSITIONS!r} field",
+                 "Build the pipeline with pack_flat(..., emit_positions=True).")
+        )
+    has_elig = F.ATTENTION_ELIGIBILITY in first
+    if eligibility and not has_elig:
+        raise ValueError(
+            _err("zephon_batch payload", sorted(map(str, first)), f"a {F.ATTENTION_ELIGIBILITY!r} field",
+                 "Set eligibility_field in build_pipeline, or pass eligibility=None/False.")
+        )
+    carry_elig = has_elig and eligibility is not False
+
+    out = zephon_batch.to_training(
+        return_labels=True,
+        return_padding_mask=True,
+        return_cu_seqlens=True,
+        ignore_index=F.IGNORE_INDEX,
+        extra_fields=[F.ATTENTION_ELIGIBILITY] if carry_elig else [],
+        eos_mask_loss=eos_mask_loss,
+        eos_token_id=int(eos_token_id) if eos_mask_loss else None,
+        exclude_fields=(Z.IDS, Z.TEXTS),
+    )
+
+    # --- validate what Zephon returned --------------------------------------------------
+    input_ids = out.get(Z.TOKENS)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64 or input_ids.dim() != 2:
+        raise ValueError(_err(f"to_training()[{Z.TOKENS!r}]", _describe(input_ids), "int64 [B, S]",
+                              "Check the Zephon version (0.2.x) and that payload tokens are integers."))
+    shape = tuple(input_ids.shape)
+    if shape[1] < 1:
+        raise ValueError(_err(f"to_training()[{Z.TOKENS!r}]", _describe(input_ids), "S >= 1",
+                              "Pack to at least 2 tokens (seq_len >= 1)."))
+    for key, dtype in ((Z.LABELS, torch.int64), (Z.POSITIONS, torch.int64), (Z.PADDING_MASK, torch.bool)):
+        value = out.get(key)
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != shape:
+            raise ValueError(_err(f"to_training()[{key!r}]", _describe(value), f"{dtype} of shape {shape}",
+                                  "Check the Zephon version (0.2.x)."))
+    labels, positions, padding = out[Z.LABELS], out[Z.POSITIONS], out[Z.PADDING_MASK]
+    _check_positions(positions, f"to_training()[{Z.POSITIONS!r}]")
+    _check_padding_mask(padding, shape, f"to_training()[{Z.PADDING_MASK!r}]")
+    if bool((labels[padding] != F.IGNORE_INDEX).any()):
+        raise ValueError(_err(f"to_training()[{Z.LABELS!r}]", "a supervised label at padding",
+                              f"{F.IGNORE_INDEX} at every padding position",
+                              "meta.padding_length disagrees with the padding mask; check the Zephon version."))
+    cu = out.get(Z.CU_SEQLENS)
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 2 or cu.shape[0] != shape[0]:
+        raise ValueError(_err(f"to_training()[{Z.CU_SEQLENS!r}]", _describe(cu), f"int32 [{shape[0]}, K]",
+                              "Check the Zephon version (0.2.x)."))
+
+    # --- derive ------------------------------------------------------------------------
+    starts = _document_starts(positions)
+    document_ids = torch.cumsum(starts, dim=1, dtype=torch.int64).masked_fill(padding, 0)
+    if mask_cross_document_labels:
+        crossing = torch.cat([starts[:, 1:], _last_packed_position_is_zero(zephon_batch)[:, None]], dim=1)
+        labels = torch.where(crossing, torch.full_like(labels, F.IGNORE_INDEX), labels)
+
+    result: dict[str, torch.Tensor] = {
+        F.INPUT_IDS: input_ids,
+        F.LABELS: labels,
+        F.PADDING_MASK: padding,
+        F.POSITION_IDS: positions,
+        F.DOCUMENT_IDS: document_ids,
+        F.CU_SEQLENS: cu,
+    }
+    if carry_elig:
+        elig = out.get(F.ATTENTION_ELIGIBILITY)
+        if not isinstance(elig, torch.Tensor) or tuple(elig.shape) != shape:
+            raise ValueError(_err(f"to_training()[{F.ATTENTION_ELIGIBILITY!r}]", _describe(elig), f"shape {shape}",
+                                  "The eligibility field must be per-token."))
+        result[F.ATTENTION_ELIGIBILITY] = elig != 0
+    return result
