@@ -1,0 +1,90 @@
+"""Loader throughput vs iterating the same Zephon pipeline and calling ``to_training`` directly.
+
+    python benchmarks/bench_loader.py [CONFIG] [--rounds 3]
+
+Same config for both (default: the bundled demo), one process, each side
+timed from its first ``iter()`` to exhaustion (worker start-up included on
+both sides, building excluded on both), alternating
+rounds so machine noise hits both sides alike. Prints non-padding tokens/s
+per side (median over rounds) and the ratio loader / direct. Goal: >= 0.95.
+
+"direct" = ``build_pipeline`` → ``iter`` → ``SampleBatch.to_training(
+return_labels=True, return_padding_mask=True, return_cu_seqlens=True)``: the
+least a training loop on Zephon must do. "loader" adds document ids, the final
+map for the configured contract, read-ahead and the torchdata graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from zephon_loader import fields as F
+from zephon_loader.builders import _as_config, build_text_loader
+from zephon_loader.config import default_config_path
+from zephon_loader.source import SourceSpec, build_pipeline
+
+
+def direct_tokens_per_s(config_path: Path) -> tuple[float, int]:
+    cfg = _as_config(config_path)
+    pipeline = build_pipeline(
+        [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources],
+        seq_len=cfg.sequence_length,
+        micro_batch_size=cfg.micro_batch_size,
+        tokenizer=str(cfg.resolve_path(cfg.tokenizer.path)),
+        text_field=cfg.tokenizer.text_field,
+        packing_algorithm=cfg.packing.algorithm,
+        num_bins=cfg.packing.num_bins,
+        seed=cfg.seed,
+        shuffle=cfg.shuffle,
+        runtime_options=cfg.runtime.options() or None,
+    )
+    tokens = batches = 0
+    start = time.perf_counter()
+    iterator = iter(pipeline)
+    try:
+        for batch in iterator:
+            out = batch.to_training(return_labels=True, return_padding_mask=True, return_cu_seqlens=True)
+            tokens += int((~out["padding_mask"]).sum())
+            batches += 1
+    finally:
+        iterator.close()
+    return tokens / (time.perf_counter() - start), batches
+
+
+def loader_tokens_per_s(config_path: Path) -> tuple[float, int]:
+    tokens = batches = 0
+    with build_text_loader(config_path) as loader:
+        start = time.perf_counter()  # like the direct side: timed from the first iter(), not from building
+        for batch in loader:
+            tokens += int((~batch[F.PADDING_MASK]).sum())
+            batches += 1
+    return tokens / (time.perf_counter() - start), batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", type=Path, default=default_config_path())
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(f"config {args.config}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    direct, loaded = [], []
+    for round_index in range(args.rounds):
+        # Alternate which side goes first so warm caches favour neither.
+        order = [("direct", direct_tokens_per_s, direct), ("loader", loader_tokens_per_s, loaded)]
+        if round_index % 2:
+            order.reverse()
+        for name, fn, sink in order:
+            rate, batches = fn(args.config)
+            sink.append(rate)
+            print(f"  round {round_index}  {name:6s} {rate:12,.0f} tokens/s  ({batches} batches)")
+    d, l = statistics.median(direct), statistics.median(loaded)
+    print(f"median: direct {d:,.0f} tokens/s | loader {l:,.0f} tokens/s | ratio loader/direct {l / d:.3f}")
+
+
+if __name__ == "__main__":
+    main()
