@@ -29,7 +29,7 @@ from zephon_loader.config import default_config_path
 from zephon_loader.source import SourceSpec, build_pipeline
 
 
-def direct_tokens_per_s(config_path: Path) -> tuple[float, int]:
+def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
     cfg = _as_config(config_path)
     pipeline = build_pipeline(
         [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources],
@@ -45,24 +45,26 @@ def direct_tokens_per_s(config_path: Path) -> tuple[float, int]:
     )
     tokens = batches = 0
     start = time.perf_counter()
-    iterator = iter(pipeline)
-    try:
-        for batch in iterator:
-            out = batch.to_training(return_labels=True, return_padding_mask=True, return_cu_seqlens=True)
-            tokens += int((~out["padding_mask"]).sum())
-            batches += 1
-    finally:
-        iterator.close()
+    for _ in range(passes):
+        iterator = iter(pipeline)
+        try:
+            for batch in iterator:
+                out = batch.to_training(return_labels=True, return_padding_mask=True, return_cu_seqlens=True)
+                tokens += int((~out["padding_mask"]).sum())
+                batches += 1
+        finally:
+            iterator.close()
     return tokens / (time.perf_counter() - start), batches
 
 
-def loader_tokens_per_s(config_path: Path) -> tuple[float, int]:
+def loader_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
     tokens = batches = 0
     with build_text_loader(config_path) as loader:
         start = time.perf_counter()  # like the direct side: timed from the first iter(), not from building
-        for batch in loader:
-            tokens += int((~batch[F.PADDING_MASK]).sum())
-            batches += 1
+        for _ in range(passes):  # each iter() is a new pass from the start
+            for batch in loader:
+                tokens += int((~batch[F.PADDING_MASK]).sum())
+                batches += 1
     return tokens / (time.perf_counter() - start), batches
 
 
@@ -70,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", type=Path, default=default_config_path())
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=4, help="full passes over the stream per measurement")
     args = parser.parse_args()
     print(f"config {args.config}  torch {torch.__version__}  threads {torch.get_num_threads()}")
     direct, loaded = [], []
@@ -79,7 +82,7 @@ def main() -> None:
         if round_index % 2:
             order.reverse()
         for name, fn, sink in order:
-            rate, batches = fn(args.config)
+            rate, batches = fn(args.config, args.passes)
             sink.append(rate)
             print(f"  round {round_index}  {name:6s} {rate:12,.0f} tokens/s  ({batches} batches)")
     d, l = statistics.median(direct), statistics.median(loaded)

@@ -15,7 +15,6 @@ from zephon_loader.backends import (
     preprocess_args_and_kwargs_for_attn,
 )
 from zephon_loader.builders import build_text_loader
-from zephon_loader.collate import collate
 from zephon_loader.config import TextLoaderConfig, instantiate, load_yaml
 from zephon_loader.finalize import FinalizeSettings, finalize_batch
 from zephon_loader.loader import ZephonLoader
@@ -48,7 +47,6 @@ __all__ = [
     "build_packed_sequence_metadata",
     "build_pipeline",
     "build_text_loader",
-    "collate",
     "contract_for_attention",
     "enable_xdoc_attention",
     "finalize_batch",

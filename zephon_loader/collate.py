@@ -121,12 +121,16 @@ def next_token_starts_document(
 
 
 def _last_packed_position_is_zero(zephon_batch: Any) -> torch.Tensor:
-    """Whether each packed row's final token (index ``S``, a label target only) has position 0 on every axis."""
-    last = []
-    for record in zephon_batch.records:  # one scalar per row, not per token
-        positions = np.asarray(record.payload[Z.POSITIONS])
-        last.append(bool(np.all(positions[..., -1] == 0)) if positions.size else False)
-    return torch.tensor(last, dtype=torch.bool)
+    """Whether each packed row's final token (index ``S``, a label target only) has position 0 on every axis.
+
+    ``to_training`` drops that token, so it is read from the records: one
+    scalar (or one per axis) per row, gathered in one stack, compared at once.
+    """
+    last = np.stack([np.asarray(record.payload[Z.POSITIONS])[..., -1] for record in zephon_batch.records])
+    zero = last == 0
+    if zero.ndim > 1:
+        zero = zero.all(axis=tuple(range(1, zero.ndim)))
+    return torch.from_numpy(np.ascontiguousarray(zero))
 
 
 def collate(
