@@ -36,14 +36,30 @@ def build_from_yaml(path: str | Path) -> ZephonLoader:
             f"{path}: expected a 'dataloader' mapping with a _target_ "
             "(e.g. zephon_loader.ZephonDataloaderConfig); see configs/demo.yaml"
         )
-    node = dict(node)
-    node.setdefault("base_dir", str(path.parent))
+    node = _with_base_dir(dict(node), path.parent)
     built = instantiate(node)
     if hasattr(built, "build") and not isinstance(built, ZephonLoader):
         built = built.build(dp_rank=0, dp_world_size=1)
     if not isinstance(built, ZephonLoader):
         raise TypeError(f"{path}: dataloader._target_ built {type(built).__name__}, expected a ZephonLoader")
     return built
+
+
+def _with_base_dir(node: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Make relative paths resolve against the YAML's folder.
+
+    A ``config`` key (``build_text_loader``-style target) gets it inside its
+    mapping (or, as a relative YAML path, is resolved against it); otherwise the
+    node itself gets ``base_dir`` (``ZephonDataloaderConfig``).
+    """
+    config = node.get("config")
+    if isinstance(config, dict) and "_target_" not in config:
+        node["config"] = {"base_dir": str(base_dir), **config}
+    elif isinstance(config, str) and not Path(config).expanduser().is_absolute():
+        node["config"] = str(base_dir / config)
+    elif "config" not in node:
+        node.setdefault("base_dir", str(base_dir))
+    return node
 
 
 def _describe(value: Any) -> str:
@@ -62,9 +78,11 @@ def _attention_ids(batch: dict[str, Any]) -> torch.Tensor | None:
     return None
 
 
-def run(config: Path, steps: int | None, out=sys.stdout) -> dict[str, Any]:
-    """Iterate a loader and report throughput and packing statistics."""
+def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
+    """Iterate a loader and report throughput and packing statistics (printed to ``out``, default stdout)."""
     from tqdm import tqdm
+
+    out = sys.stdout if out is None else out  # looked up per call, so redirect_stdout/capture work
 
     started = time.perf_counter()
     with build_from_yaml(config) as loader:
@@ -87,7 +105,10 @@ def run(config: Path, steps: int | None, out=sys.stdout) -> dict[str, Any]:
                 break
         elapsed = time.perf_counter() - built
     if first is None:
-        raise RuntimeError(f"{config}: the loader yielded no batch")
+        raise ValueError(
+            f"{config}: the loader yielded no batch; the sources hold fewer than micro_batch_size packed rows "
+            "(or every record was dropped): lower micro_batch_size or sequence_length, or add data"
+        )
     report = {
         "config": str(config),
         "batches": batches,
@@ -121,7 +142,10 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
     from zephon_loader.finalize import block_causal_mask
 
     with build_from_yaml(config) as loader:
-        batch = loader.preview()
+        try:
+            batch = loader.preview()
+        except RuntimeError as error:  # an empty stream is a configuration problem, not a crash
+            raise ValueError(f"{config}: {error}; lower micro_batch_size or sequence_length, or add data") from error
     ids = batch[F.DOCUMENT_IDS]
     attention_ids = batch[F.ATTENTION_DOCUMENT_IDS]
     padding = batch[F.PADDING_MASK]
