@@ -245,7 +245,7 @@ def _errors_before_start(cfg, error, match):
         ({"shuffel": True}, ValueError, r"dataloader\.shuffel: unknown key"),
         ({"packing": {"algo": "wrap"}}, ValueError, r"dataloader\.packing\.algo: unknown key"),
         ({"sequence_length": "48"}, TypeError, r"dataloader\.sequence_length: got str '48', expected an int"),
-        ({"sequence_length": 0}, ValueError, r"loader\.sequence_length: got 0, expected an int > 0"),
+        ({"sequence_length": 0}, ValueError, r"dataloader\.sequence_length: got 0, expected an int > 0"),
         ({"micro_batch_size": -1}, ValueError, r"micro_batch_size: got -1"),
         ({"xdoc": "yes"}, TypeError, r"dataloader\.xdoc: got str 'yes', expected a bool"),
         ({"packing": {"algorithm": "greedy"}}, ValueError, r"dataloader\.packing\.algorithm: got 'greedy'"),

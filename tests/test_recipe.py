@@ -323,7 +323,7 @@ def test_recipe_tokenizer_object_is_used_when_the_yaml_names_none(sources, token
     from transformers import AutoTokenizer
 
     dataloader = instantiate(sources)
-    assert dataloader.config.tokenizer.path is None
+    assert dataloader.tokenizer.path is None
     with recipe_build(dataloader, tokenizer) as loader:
         recipe_batches = collect(loader, 6)
 
@@ -495,18 +495,25 @@ def test_state_saved_per_dp_rank_with_torch_save_resumes_exactly(sources, tokeni
         assert_same_batches(rest, full[k:])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "AutoModel 0.7.0's BaseRecipe saves state per DP rank only for isinstance(StatefulDataLoader) objects "
-        "(recipes/base_recipe.py is_dataloader); a ZephonLoader falls to the rank-0-only '<key>.pt' branch, so "
-        "state_dict() (a Zephon collective with several ranks) runs on rank 0 alone and every rank restores rank "
-        "0's state. Fixing it needs loader.py (e.g. registering ZephonLoader as a StatefulDataLoader)."
-    ),
-)
 def test_automodel_base_recipe_routes_the_loader_to_per_dp_rank_checkpoints(sources, tokenizer):
     from nemo_automodel.recipes.base_recipe import has_load_restore_state, is_dataloader
 
     with recipe_build(instantiate(sources), tokenizer) as loader:
+        # AutoModel 0.7.0 saves per DP rank only what is_dataloader accepts (an isinstance check).
         assert has_load_restore_state(loader)
         assert is_dataloader(loader)
+
+
+def test_validation_copy_with_packing_none_still_builds_packed(sources, tokenizer):
+    """AutoModel's ``_should_pack_validation`` calls ``dataclasses.replace(config, packing=None)``."""
+    import dataclasses
+
+    config = instantiate(sources)
+    unpacked = dataclasses.replace(config, packing=None)
+    assert unpacked.emits_thd is False
+    assert unpacked.sources == config.sources and unpacked.seed == config.seed
+    with pytest.warns(UserWarning, match="always packs"):
+        loader = recipe_build(unpacked, tokenizer)
+    with loader:
+        batch = next(iter(loader))
+    assert batch[F.INPUT_IDS].shape[1] == config.sequence_length

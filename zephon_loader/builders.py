@@ -8,6 +8,7 @@ reading data.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -67,11 +68,12 @@ def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) 
     return packing_contract
 
 
-def _recipe_tokenizer_dir(tokenizer: Any) -> str:
-    """A local folder Zephon can load the recipe's tokenizer from (never a hub id)."""
-    name = getattr(tokenizer, "name_or_path", None)
-    if name and Path(name).is_dir():
-        return str(Path(name).resolve())
+def _save_recipe_tokenizer(tokenizer: Any) -> str:
+    """Save the recipe's tokenizer object to a fresh local folder Zephon can load (never a hub id).
+
+    The object itself is saved (not its ``name_or_path``), so tokens added in
+    memory are kept. The caller owns the folder and removes it on close.
+    """
     if not hasattr(tokenizer, "save_pretrained"):
         raise TypeError(
             f"tokenizer: got {type(tokenizer).__name__} without save_pretrained; expected a Hugging Face tokenizer, "
@@ -131,17 +133,19 @@ def build_text_loader(
 
     tok = cfg.tokenizer
     tokenizer_path: str | None = str(cfg.resolve_path(tok.path)) if tok.path is not None else None
+    owned: list[str] = []
     if tokenizer_path is None and tok.pretokenized_field is None and tokenizer is not None:
-        tokenizer_path = _recipe_tokenizer_dir(tokenizer)
+        tokenizer_path = _save_recipe_tokenizer(tokenizer)
+        owned.append(tokenizer_path)
     chat_template = tok.chat_template
     if chat_template is not None and not chat_template.lstrip().startswith("{"):
         chat_template = str(cfg.resolve_path(chat_template))
     sources = [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources]
     dist = cfg.distributed
-    world_size, global_rank = _world(dp_rank, dp_world_size)
 
-    with dataset_build_context or contextlib.nullcontext():
-        pipeline = build_pipeline(
+    try:
+        pipeline = _build_pipeline_in(
+            dataset_build_context,
             sources,
             seq_len=cfg.sequence_length,
             micro_batch_size=cfg.micro_batch_size,
@@ -159,8 +163,12 @@ def build_text_loader(
             shuffle=cfg.shuffle,
             chunk_size=cfg.chunk_size,
             eligibility_field=cfg.eligibility_field,
-            world_size=world_size,
-            global_rank=global_rank,
+            # Zephon's world is the data-parallel group: tensor/pipeline peers of a
+            # DP rank read the same lane, and only one of them saves its state
+            # (AutoModel saves loader state on TP0/PP0 per DP rank), so the
+            # checkpoint collective must span DP ranks only.
+            world_size=dp_world_size,
+            global_rank=dp_rank,
             dp_degree=dp_world_size,
             dp_group_id=dp_rank,
             canonical_replicas=dist.canonical_replicas,
@@ -169,6 +177,9 @@ def build_text_loader(
             run_id=dist.run_id,
             runtime_options=cfg.runtime.options() or None,
         )
+    except BaseException:
+        _remove(owned)
+        raise
     mask_cross = cfg.mask_cross_document_labels if cfg.mask_cross_document_labels is not None else not cfg.xdoc
     collate_fn = partial(
         collate,
@@ -200,16 +211,16 @@ def build_text_loader(
         collate_wrapper=collate_wrapper,
         fingerprint=fingerprint,
         pin_memory=pin_memory,
+        on_close=partial(_remove, owned) if owned else None,
     )
 
 
-def _world(dp_rank: int, dp_world_size: int) -> tuple[int, int]:
-    """Global (world_size, rank): torch.distributed's when initialized, else the DP coordinates."""
-    try:
-        import torch.distributed as dist
+def _build_pipeline_in(context: ContextManager[Any] | None, *args: Any, **kwargs: Any) -> Any:
+    """``build_pipeline`` inside the caller's context (AutoModel's rank ordering), if any."""
+    with context or contextlib.nullcontext():
+        return build_pipeline(*args, **kwargs)
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(), dist.get_rank()
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
-    return dp_world_size, dp_rank
+
+def _remove(folders: list[str]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,7 +1,7 @@
 """YAML schema and ``_target_`` resolution.
 
 The schema is closed and typed: each section is a frozen dataclass, unknown
-keys are refused with their path (``loader.packing.algo: unknown key``), and
+keys are refused with their path (``dataloader.packing.algo: unknown key``), and
 every value is type-checked before any Zephon source or worker starts.
 
 ``_target_`` works the way AutoModel 0.7.0's ``ConfigNode`` resolves it: a
@@ -170,7 +170,10 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class TextLoaderConfig:
-    """Everything ``build_text_loader`` needs (the YAML ``loader`` section).
+    """Everything ``build_text_loader`` needs (the YAML ``dataloader`` section).
+
+    Constructing it from plain YAML values coerces and checks every field
+    (wrong types raise ``TypeError`` naming ``dataloader.<field>``).
 
     Attributes:
         sources: One or more weighted shard folders.
@@ -219,31 +222,37 @@ class TextLoaderConfig:
     base_dir: str = "."
 
     def __post_init__(self) -> None:
+        # Typed coercion of every field (a no-op for values already typed), so that
+        # TextLoaderConfig(**plain_yaml_values) is as strict as from_mapping.
+        hints = typing.get_type_hints(TextLoaderConfig)
+        for spec in dataclasses.fields(TextLoaderConfig):
+            value = _convert(getattr(self, spec.name), hints[spec.name], f"dataloader.{spec.name}")
+            object.__setattr__(self, spec.name, value)
         if not self.sources:
-            raise ValueError("loader.sources: got an empty list, expected at least one source")
+            raise ValueError("dataloader.sources: got an empty list, expected at least one source")
         names = [source.name for source in self.sources]
         if len(set(names)) != len(names):
-            raise ValueError(f"loader.sources: duplicate names in {names}; expected unique names")
+            raise ValueError(f"dataloader.sources: duplicate names in {names}; expected unique names")
         for index, source in enumerate(self.sources):
             if not source.weight > 0:
-                raise ValueError(f"loader.sources[{index}].weight: got {source.weight}, expected a number > 0")
+                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a number > 0")
         for name in ("sequence_length", "micro_batch_size", "block_mask_budget_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"loader.{name}: got {getattr(self, name)}, expected an int > 0")
+                raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0")
         if self.packing.num_bins is not None and self.packing.num_bins <= 0:
-            raise ValueError(f"loader.packing.num_bins: got {self.packing.num_bins}, expected an int > 0 or null")
+            raise ValueError(f"dataloader.packing.num_bins: got {self.packing.num_bins}, expected an int > 0 or null")
         if self.read_ahead < 0:
-            raise ValueError(f"loader.read_ahead: got {self.read_ahead}, expected an int >= 0")
+            raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
         if self.chunk_size is not None and self.chunk_size <= 0:
-            raise ValueError(f"loader.chunk_size: got {self.chunk_size}, expected an int > 0 or null")
+            raise ValueError(f"dataloader.chunk_size: got {self.chunk_size}, expected an int > 0 or null")
         if self.eos_mask_loss and self.eos_token_id is None:
-            raise ValueError("loader.eos_token_id: got null with eos_mask_loss: true; expected the EOS token id")
+            raise ValueError("dataloader.eos_token_id: got null with eos_mask_loss: true; expected the EOS token id")
         tokenizer = self.tokenizer
         modes = [m for m in ("pretokenized_field", "chat_field") if getattr(tokenizer, m) is not None]
         if len(modes) > 1:
-            raise ValueError(f"loader.tokenizer: got both {modes}; expected at most one of them")
+            raise ValueError(f"dataloader.tokenizer: got both {modes}; expected at most one of them")
         if tokenizer.chat_field is not None and tokenizer.path is None:
-            raise ValueError("loader.tokenizer.path: chat_field needs a local tokenizer folder for the chat template")
+            raise ValueError("dataloader.tokenizer.path: chat_field needs a local tokenizer folder for the chat template")
 
     def resolve_path(self, value: str) -> Path:
         """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""
@@ -334,7 +343,7 @@ def _convert(value: Any, expected: Any, path: str) -> Any:
     raise TypeError(f"{path}: unsupported schema type {expected!r}")  # pragma: no cover - schema bug
 
 
-def from_mapping(cls: type, data: Any, path: str = "loader") -> Any:
+def from_mapping(cls: type, data: Any, path: str = "dataloader") -> Any:
     """Build a schema dataclass from a mapping, refusing unknown keys and wrong types.
 
     Args:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, PinMemory
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from zephon_loader.finalize import FinalizeSettings, finalize_batch
 from zephon_loader.readahead import ReadAhead
@@ -50,7 +51,7 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-class ZephonLoader:
+class ZephonLoader(StatefulDataLoader):
     """Iterate packed, finalized batches; save and restore the exact position.
 
     Built by :func:`~zephon_loader.builders.build_text_loader` (or the AutoModel
@@ -76,6 +77,14 @@ class ZephonLoader:
         fingerprint: JSON-able description of everything that fixes the batch
             stream; a state saved under another fingerprint is refused.
         pin_memory: Pin yielded tensors; ``None`` = when CUDA is available.
+        on_close: Called once by :meth:`close` after the workers stopped
+            (e.g. removes a tokenizer folder the builder saved).
+
+    It subclasses torchdata's ``StatefulDataLoader`` only so that AutoModel
+    0.7.0's recipe recognizes it as a dataloader and saves/loads its state per
+    DP rank (``is_dataloader`` is an ``isinstance`` check); none of the
+    ``DataLoader`` machinery is used (``len()`` raises ``TypeError``: the
+    packed stream's length is not known in advance).
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class ZephonLoader:
         collate_wrapper: Callable | None = None,
         fingerprint: Mapping[str, Any] | None = None,
         pin_memory: bool | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"read_ahead: got {read_ahead!r}, expected an int >= 0")
@@ -108,7 +118,11 @@ class ZephonLoader:
         if pin_memory:
             node = PinMemory(node)
         self._loader = Loader(node, restart_on_stop_iteration=False)
+        self._on_close = on_close
         self._closed = False
+
+    def __len__(self) -> int:
+        raise TypeError("ZephonLoader has no len(): the number of packed batches is not known before iterating")
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -221,6 +235,8 @@ class ZephonLoader:
         if self._read_ahead is not None:
             self._read_ahead.close()
         self._source.close()
+        if self._on_close is not None:
+            self._on_close()
 
     def __enter__(self) -> "ZephonLoader":
         return self

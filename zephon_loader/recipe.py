@@ -21,17 +21,26 @@ values, so a recipe must hold this object where it held ``DataloaderConfig``.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from zephon_loader.builders import build_text_loader
-from zephon_loader.config import PackingOptions, TextLoaderConfig, from_mapping
+from zephon_loader.config import PackingOptions, TextLoaderConfig
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import validate_packing_contract
 
 
-class ZephonDataloaderConfig:
-    """Typed loader settings plus AutoModel's ``DataloaderConfig.build`` protocol.
+@dataclass(frozen=True, init=False)
+class ZephonDataloaderConfig(TextLoaderConfig):
+    """Typed loader settings plus AutoModel's ``DataloaderConfig`` protocol.
+
+    It *is* a :class:`~zephon_loader.config.TextLoaderConfig` (a frozen
+    dataclass), so AutoModel's ``dataclasses.replace(config, packing=None)``
+    (used for validation loaders) works; such a copy still packs (Zephon's
+    loader only produces packed batches) and warns when built.
 
     Args:
         **kwargs: The keys of :class:`~zephon_loader.config.TextLoaderConfig`
@@ -40,14 +49,20 @@ class ZephonDataloaderConfig:
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        self.config: TextLoaderConfig = from_mapping(TextLoaderConfig, kwargs, "dataloader")
+        known = {spec.name for spec in dataclasses.fields(TextLoaderConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"dataloader.{unknown[0]}: unknown key; expected one of {sorted(known)}")
+        missing = sorted(name for name in ("sources", "sequence_length", "micro_batch_size") if name not in kwargs)
+        if missing:
+            raise ValueError(f"dataloader.{missing[0]}: missing; expected it in the dataloader section")
+        unpacked = "packing" in kwargs and kwargs["packing"] is None
+        if unpacked:
+            kwargs = {name: value for name, value in kwargs.items() if name != "packing"}
+        object.__setattr__(self, "_unpacked_request", unpacked)
+        super().__init__(**kwargs)
 
     # -- what the recipe reads ------------------------------------------------------------
-    @property
-    def seed(self) -> int:
-        """Zephon's seed (the recipe also seeds its RNG scope with it)."""
-        return self.config.seed
-
     @property
     def dataset_builds_on_all_ranks(self) -> bool:
         """True: every rank builds its own Zephon pipeline (its DP lane), with no rank-zero-first ordering."""
@@ -56,12 +71,7 @@ class ZephonDataloaderConfig:
     @property
     def emits_thd(self) -> bool:
         """Whether batches carry TE THD fields (``contract.qkv_format == "thd"``)."""
-        return validate_packing_contract(self.config.packing_contract())[2] == "thd"
-
-    @property
-    def packing(self) -> PackingOptions:
-        """Never ``None``: batches are always packed (the recipe refuses per-sample features like domain mixtures)."""
-        return self.config.packing
+        return validate_packing_contract(self.packing_contract())[2] == "thd"
 
     # -- the call the recipe makes --------------------------------------------------------
     def build(
@@ -102,13 +112,13 @@ class ZephonDataloaderConfig:
             ValueError/TypeError: Before any worker starts.
         """
         contract = packing_contract
-        if contract is not None and self.config.contract is not None and _is_automodel_default(contract):
+        if contract is not None and self.contract is not None and _is_automodel_default(contract):
             contract = None  # the recipe passed its default, not the model's requirement
-        if contract is None and attn_implementation is not None and self.config.contract is None:
+        if contract is None and attn_implementation is not None and self.contract is None:
             from zephon_loader.packing import contract_for_attention
 
             contract = contract_for_attention(attn_implementation)
-        effective = contract if contract is not None else self.config.packing_contract()
+        effective = contract if contract is not None else self.packing_contract()
         qkv_format = validate_packing_contract(effective)[2]
         if qkv_format == "thd" and not supports_seq_lens:
             raise ValueError(
@@ -121,8 +131,14 @@ class ZephonDataloaderConfig:
                 f"to a multiple of 2 * cp_size = {2 * cp_size}, which Zephon's pack_flat does not produce; use "
                 "cp_size 1 or a 'bshd' contract (document_ids + metadata)"
             )
+        if self._unpacked_request:
+            warnings.warn(
+                "zephon_loader: the recipe asked for an unpacked loader (packing=None, e.g. for validation); "
+                f"Zephon's loader always packs, so it is built with packing {PackingOptions()}",
+                stacklevel=2,
+            )
         return build_text_loader(
-            self.config,
+            self,
             packing_contract=contract,
             tokenizer=tokenizer,
             dp_rank=dp_rank,

@@ -202,6 +202,10 @@ def _normalized(weights: Sequence[float]) -> list[float]:
     return [float(w) / total for w in weights]
 
 
+#: With ``chunk_size=None`` and several DP lanes, the chunk size leaves at least this many chunks per lane.
+CHUNKS_PER_LANE = 8
+
+
 def choose_chunk_size(
     counts: Sequence[int], weights: Sequence[float], *, upper: int = DEFAULT_CHUNK_SIZE
 ) -> int:
@@ -438,7 +442,9 @@ def build_pipeline(
         seed: Seed of Zephon's work source.
         shuffle: Shuffle shard order and samples within shards.
         chunk_size: Work-source chunk size; ``None`` picks the largest size
-            (<= :data:`DEFAULT_CHUNK_SIZE`) every source is big enough for.
+            (<= :data:`DEFAULT_CHUNK_SIZE`) every source is big enough for,
+            capped with several DP lanes so each lane gets
+            :data:`CHUNKS_PER_LANE` chunks or more.
         stop_after_passes: The stream ends once every source was read this many
             times (the smaller sources repeat meanwhile to hold the mixture).
         eligibility_field: Optional per-token bool column (pretokenized mode or
@@ -589,6 +595,11 @@ def build_pipeline(
     largest = choose_chunk_size(counts, weights)
     if chunk_size is None:
         chunk_size = largest
+        lanes = canonical_replicas or dp_degree or world_size
+        if isinstance(lanes, int) and lanes > 1:
+            # Zephon deals whole chunks to lanes: keep several chunks per lane, or
+            # with small sources one lane gets everything and the others nothing.
+            chunk_size = max(1, min(largest, sum(counts) // (CHUNKS_PER_LANE * lanes)))
     else:
         chunk_size = _positive_int("chunk_size", chunk_size, "Pass a positive chunk size or None to choose one.")
         if chunk_size > largest:
