@@ -79,7 +79,7 @@ def main() -> None:
         "document_ids": (PackingContract("document_ids"), False),
         "document_ids + metadata, xdoc": (PackingContract("document_ids", True), True),
         "flash_varlen (no eligibility)": (PackingContract("flash_varlen"), False),
-        "te thd (no eligibility)": (PackingContract("block_causal", False, "thd"), False),
+        "te thd (no eligibility)": (PackingContract("document_ids", False, "thd"), False),
         "block_causal [B,1,S,S]": (PackingContract("block_causal"), False),
     }
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats}")

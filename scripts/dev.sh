@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore  # CI and these machines run as root
 
 install() {
   # CPU torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.

@@ -140,3 +140,17 @@ def test_metadata_inputs_are_refused():
 def test_xdoc_requires_adapt_first():
     with pytest.raises(ValueError, match="attention_document_ids: missing; expected adapt_model_inputs"):
         enable_xdoc_attention(good(), PackingContract("document_ids"))
+
+
+def test_xdoc_refuses_padding_inside_a_row():
+    ids = torch.tensor([[2, 0, 1]])
+    batch = {
+        F.INPUT_IDS: torch.ones(1, 3, dtype=torch.int64),
+        F.LABELS: torch.ones(1, 3, dtype=torch.int64),
+        F.PADDING_MASK: ids == 0,
+        F.POSITION_IDS: torch.zeros(1, 3, dtype=torch.int64),
+        F.DOCUMENT_IDS: ids,
+        F.ATTENTION_DOCUMENT_IDS: ids,
+    }
+    with pytest.raises(ValueError, match="padding_mask: row 0 has padding at column 1 followed by a token"):
+        enable_xdoc_attention(batch, PackingContract("document_ids"))

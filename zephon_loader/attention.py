@@ -92,27 +92,37 @@ def _validate_positions(batch: Mapping[str, Any], batch_shape: tuple[int, int]) 
     return positions
 
 
+def _check_trailing_padding(padding: torch.Tensor) -> None:
+    interior = padding[:, :-1] & ~padding[:, 1:]
+    if bool(interior.any()):
+        b, s = (int(i) for i in torch.nonzero(interior)[0])
+        raise ValueError(
+            f"{F.PADDING_MASK}: row {b} has padding at column {s} followed by a token; "
+            "expected padding only at the end of each row"
+        )
+
+
 def _validate_document_ids(name: str, ids: torch.Tensor, padding: torch.Tensor) -> None:
-    """ids: 1-based, 0 exactly at padding, nondecreasing along each row's non-padding tokens."""
+    """ids: 1-based, 0 exactly at (trailing) padding, nondecreasing along each row's non-padding tokens."""
     if ids.numel() == 0:
         return
-    if int(ids.min()) < 0:
-        raise ValueError(f"{name}: got minimum {int(ids.min())}, expected nonnegative document ids")
-    zero = ids == 0
-    mismatch = zero != padding
-    if bool(mismatch.any()):
-        b, s = (int(i) for i in torch.nonzero(mismatch)[0])
+    low = int(ids.min())
+    if low < 0:
+        raise ValueError(f"{name}: got minimum {low}, expected nonnegative document ids")
+    if not torch.equal(ids == 0, padding):
+        b, s = (int(i) for i in torch.nonzero((ids == 0) != padding)[0])
         raise ValueError(
             f"{name}: got id {int(ids[b, s])} at row {b}, column {s} where {F.PADDING_MASK} is "
             f"{bool(padding[b, s])}; expected 0 exactly at padding and a 1-based id elsewhere"
         )
-    running_max = ids.cummax(dim=1).values
-    decreasing = ids < running_max
-    decreasing &= ~padding
-    if bool(decreasing.any()):
+    # Padding is trailing (checked by the caller) and 0 exactly there, so the only
+    # allowed decrease is the step into the padding tail.
+    steps = ids.diff(dim=1)
+    if steps.numel() and int(steps.masked_fill(padding[:, 1:], 0).min()) < 0:
+        decreasing = (steps < 0) & ~padding[:, 1:]
         b, s = (int(i) for i in torch.nonzero(decreasing)[0])
         raise ValueError(
-            f"{name}: row {b} decreases at column {s} (id {int(ids[b, s])} after {int(running_max[b, s])}); "
+            f"{name}: row {b} decreases at column {s + 1} (id {int(ids[b, s + 1])} after {int(ids[b, s])}); "
             "expected subdocument ids increasing left to right"
         )
 
@@ -155,13 +165,7 @@ def adapt_model_inputs(
     padding = _tensor(batch, F.PADDING_MASK)
     _expect_dtype(F.PADDING_MASK, padding, (torch.bool,), "torch.bool (True = padding)")
     _expect_shape(F.PADDING_MASK, padding, shape, "[batch, sequence] like input_ids")
-    interior = padding[:, :-1] & ~padding[:, 1:]
-    if bool(interior.any()):
-        b, s = (int(i) for i in torch.nonzero(interior)[0])
-        raise ValueError(
-            f"{F.PADDING_MASK}: row {b} has padding at column {s} followed by a token; "
-            "expected padding only at the end of each row"
-        )
+    _check_trailing_padding(padding)
     _validate_positions(batch, shape)
     ids = _tensor(batch, F.DOCUMENT_IDS)
     _expect_dtype(F.DOCUMENT_IDS, ids, (torch.int64,), "torch.int64")
@@ -220,6 +224,8 @@ def enable_xdoc_attention(batch: MutableMapping[str, Any], packing_contract: obj
     _expect_dtype(F.ATTENTION_DOCUMENT_IDS, attention_ids, (torch.int64,), "torch.int64")
     _expect_shape(F.ATTENTION_DOCUMENT_IDS, attention_ids, tuple(ids.shape), "[batch, sequence] like document_ids")
     _expect_shape(F.PADDING_MASK, padding, tuple(ids.shape), "[batch, sequence] like document_ids")
+    _expect_dtype(F.PADDING_MASK, padding, (torch.bool,), "torch.bool (True = padding)")
+    _check_trailing_padding(padding)
     _validate_document_ids(F.DOCUMENT_IDS, ids, padding)
     if bool(((attention_ids != 0) & (attention_ids != ids)).any()):
         raise ValueError(

@@ -37,9 +37,8 @@ def _document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     zero = position_ids == 0
     if position_ids.dim() == 3:
         zero = zero.all(dim=0)
-    column0 = torch.zeros_like(zero)
-    column0[:, 0] = True  # fresh tensor, not the caller's
-    return zero | column0
+    zero[:, 0] = True  # `zero` is a fresh tensor, never the caller's
+    return zero
 
 
 def _check_positions(position_ids: Any, where: str) -> None:

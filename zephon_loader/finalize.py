@@ -111,11 +111,12 @@ def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
         bool ``[B, 1, S, S]``: True where query ``i`` may attend key ``j``:
         same nonzero id and ``j <= i``. Rows of excluded queries are all False.
     """
-    sequence_length = ids.shape[1]
-    causal = torch.ones(sequence_length, sequence_length, dtype=torch.bool, device=ids.device).tril_()
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)
-    same &= causal
-    same &= (ids != 0).unsqueeze(1)
+    # Excluded keys get id -1, which no query id (>= 0) equals; excluded queries (id 0)
+    # then match nothing. One comparison pass and one in-place tril: the mask is
+    # B*S*S bytes, so passes over it are what costs.
+    keys = torch.where(ids != 0, ids, torch.full_like(ids, -1))
+    same = ids.unsqueeze(2) == keys.unsqueeze(1)
+    same.tril_()
     return same.unsqueeze(1)
 
 
