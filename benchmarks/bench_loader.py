@@ -9,14 +9,15 @@ rounds so machine noise hits both sides alike. Prints non-padding tokens/s
 per side (median over rounds) and the ratio loader / direct. Goal: >= 0.95.
 
 "direct" = ``build_pipeline`` → ``iter`` → ``SampleBatch.to_training(
-return_labels=True, return_padding_mask=True, return_cu_seqlens=True)``: the
-least a training loop on Zephon must do. "loader" adds document ids, the final
+return_labels=True, return_padding_mask=True)``: the least a training loop
+on Zephon must do. "loader" adds document ids, the final
 map for the configured contract, read-ahead and the torchdata graph.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
         iterator = iter(pipeline)
         try:
             for batch in iterator:
-                out = batch.to_training(return_labels=True, return_padding_mask=True, return_cu_seqlens=True)
+                out = batch.to_training(return_labels=True, return_padding_mask=True)
                 tokens += int((~out["padding_mask"]).sum())
                 batches += 1
         finally:
@@ -57,9 +58,12 @@ def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
     return tokens / (time.perf_counter() - start), batches
 
 
-def loader_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
+def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None = None) -> tuple[float, int]:
     tokens = batches = 0
-    with build_text_loader(config_path) as loader:
+    config = _as_config(config_path)
+    if read_ahead is not None:
+        config = dataclasses.replace(config, read_ahead=read_ahead)
+    with build_text_loader(config) as loader:
         start = time.perf_counter()  # like the direct side: timed from the first iter(), not from building
         for _ in range(passes):  # each iter() is a new pass from the start
             for batch in loader:
@@ -75,18 +79,26 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=4, help="full passes over the stream per measurement")
     args = parser.parse_args()
     print(f"config {args.config}  torch {torch.__version__}  threads {torch.get_num_threads()}")
-    direct, loaded = [], []
+    read_ahead = _as_config(args.config).read_ahead
+    sides = {
+        "direct": lambda: direct_tokens_per_s(args.config, args.passes),
+        f"loader (read_ahead={read_ahead})": lambda: loader_tokens_per_s(args.config, args.passes),
+        "loader (read_ahead=0)": lambda: loader_tokens_per_s(args.config, args.passes, read_ahead=0),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in sides}
     for round_index in range(args.rounds):
-        # Alternate which side goes first so warm caches favour neither.
-        order = [("direct", direct_tokens_per_s, direct), ("loader", loader_tokens_per_s, loaded)]
-        if round_index % 2:
-            order.reverse()
-        for name, fn, sink in order:
-            rate, batches = fn(args.config, args.passes)
-            sink.append(rate)
-            print(f"  round {round_index}  {name:6s} {rate:12,.0f} tokens/s  ({batches} batches)")
-    d, l = statistics.median(direct), statistics.median(loaded)
-    print(f"median: direct {d:,.0f} tokens/s | loader {l:,.0f} tokens/s | ratio loader/direct {l / d:.3f}")
+        # Rotate which side goes first so machine noise and warm caches favour none.
+        names = list(sides)
+        names = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in names:
+            rate, batches = sides[name]()
+            rates[name].append(rate)
+            print(f"  round {round_index}  {name:24s} {rate:12,.0f} tokens/s  ({batches} batches)")
+    direct = statistics.median(rates["direct"])
+    print(f"median direct {direct:,.0f} tokens/s")
+    for name in list(sides)[1:]:
+        median = statistics.median(rates[name])
+        print(f"median {name} {median:,.0f} tokens/s | ratio to direct {median / direct:.3f}")
 
 
 if __name__ == "__main__":

@@ -385,3 +385,13 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="eligibility"):
         collate(no_elig, mask_cross_document_labels=True, eligibility=True)
     assert F.ATTENTION_ELIGIBILITY not in collate(no_elig, mask_cross_document_labels=True)
+
+
+def test_physical_offsets_can_be_skipped(real_batches):
+    batch = real_batches["first_fit"][0]
+    full = collate(batch, mask_cross_document_labels=True)
+    lean = collate(batch, mask_cross_document_labels=True, physical_cu_seqlens=False)
+    assert F.CU_SEQLENS not in lean
+    assert set(full) - set(lean) == {F.CU_SEQLENS}
+    for key in lean:
+        assert torch.equal(lean[key], full[key]), key

@@ -187,6 +187,7 @@ def build_text_loader(
         eos_mask_loss=cfg.eos_mask_loss,
         eos_token_id=cfg.eos_token_id,
         eligibility=cfg.eligibility_field is not None,
+        physical_cu_seqlens=False,  # the final map never yields them
     )
     fingerprint = {
         # Paths are left out on purpose: a run may resume where the data is mounted elsewhere.

@@ -139,6 +139,7 @@ def collate(
     eos_mask_loss: bool = False,
     eos_token_id: int | None = None,
     eligibility: bool | None = None,
+    physical_cu_seqlens: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Turn one Zephon ``SampleBatch`` (from ``pack_flat(S + 1).batch(B)``) into a TrainingBatch.
 
@@ -181,6 +182,9 @@ def collate(
         mask_cross_document_labels: See above.
         eos_mask_loss: See above.
         eos_token_id: Required when ``eos_mask_loss``; ignored otherwise.
+        physical_cu_seqlens: Also return Zephon's physical ``CU_SEQLENS``. The
+            loader passes False: the final map replaces them (metadata) or
+            drops them, and computing them is a quarter of this function's time.
         eligibility: Carry ``fields.ATTENTION_ELIGIBILITY`` from the payload:
             ``None`` = when present, ``True`` = required, ``False`` = never.
 
@@ -230,7 +234,7 @@ def collate(
     out = zephon_batch.to_training(
         return_labels=True,
         return_padding_mask=True,
-        return_cu_seqlens=True,
+        return_cu_seqlens=physical_cu_seqlens,
         ignore_index=F.IGNORE_INDEX,
         extra_fields=[F.ATTENTION_ELIGIBILITY] if carry_elig else [],
         eos_mask_loss=eos_mask_loss,
@@ -260,7 +264,9 @@ def collate(
                               f"{F.IGNORE_INDEX} at every padding position",
                               "meta.padding_length disagrees with the padding mask; check the Zephon version."))
     cu = out.get(Z.CU_SEQLENS)
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 2 or cu.shape[0] != shape[0]:
+    if physical_cu_seqlens and (
+        not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 2 or cu.shape[0] != shape[0]
+    ):
         raise ValueError(_err(f"to_training()[{Z.CU_SEQLENS!r}]", _describe(cu), f"int32 [{shape[0]}, K]",
                               "Check the Zephon version (0.2.x)."))
 
@@ -277,8 +283,9 @@ def collate(
         F.PADDING_MASK: padding,
         F.POSITION_IDS: positions,
         F.DOCUMENT_IDS: document_ids,
-        F.CU_SEQLENS: cu,
     }
+    if physical_cu_seqlens:
+        result[F.CU_SEQLENS] = cu
     if carry_elig:
         elig = out.get(F.ATTENTION_ELIGIBILITY)
         if not isinstance(elig, torch.Tensor) or tuple(elig.shape) != shape:
