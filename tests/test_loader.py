@@ -79,11 +79,20 @@ def _alive_threads():
     return {t for t in threading.enumerate() if t.is_alive()}
 
 
+@pytest.fixture(scope="module")
+def parquet_sources(parquet_text_source):
+    return [{"name": "pq", "path": str(parquet_text_source), "weight": 1.0}]
+
+
+@pytest.mark.parametrize("shards", ["jsonl", "parquet"])
 @pytest.mark.parametrize("contract", sorted(CONTRACTS))
 @pytest.mark.parametrize("algorithm", ["first_fit", "wrap"])
 @pytest.mark.parametrize("xdoc", [False, True])
-def test_yielded_batches_follow_contract_and_keep_every_token(sources, tokenizer_dir, contract, algorithm, xdoc):
-    cfg = config(sources, tokenizer_dir, contract=CONTRACTS[contract], xdoc=xdoc, packing={"algorithm": algorithm})
+def test_yielded_batches_follow_contract_and_keep_every_token(
+    request, tokenizer_dir, shards, contract, algorithm, xdoc
+):
+    chosen = request.getfixturevalue("sources" if shards == "jsonl" else "parquet_sources")
+    cfg = config(chosen, tokenizer_dir, contract=CONTRACTS[contract], xdoc=xdoc, packing={"algorithm": algorithm})
     with build_text_loader(cfg) as loader:
         batches = collect(loader)
     assert batches, "the loader yielded nothing"
@@ -287,6 +296,25 @@ def test_bundled_default_runs_from_package_data():
         batch = next(iter(loader))
     assert batch[F.INPUT_IDS].shape == (4, 256)
     assert set(loader.yielded_fields) <= set(batch)
+
+
+def test_chat_sources_supervise_assistant_turns_only(chat_source, tokenizer_dir):
+    from conftest import CHAT_TEMPLATE
+
+    cfg = {
+        "sources": [{"name": "chat", "path": str(chat_source)}],
+        "tokenizer": {"path": str(tokenizer_dir), "chat_field": "messages", "chat_template": CHAT_TEMPLATE},
+        "sequence_length": 64,
+        "micro_batch_size": 2,
+        "contract": {"attn_implementation": "fa4"},
+        "runtime": {"runner": "threads"},
+    }
+    with build_text_loader(cfg) as loader:
+        batches = collect(loader)
+    assert batches
+    supervised = sum(int((b[F.LABELS] != F.IGNORE_INDEX).sum()) for b in batches)
+    real = sum(int((~b[F.PADDING_MASK]).sum()) for b in batches)
+    assert 0 < supervised < real, "user turns must be unsupervised, assistant turns supervised"
 
 
 def test_collate_wrapper_and_eligibility_are_applied(pretokenized_parquet_source, tokenizer_dir):
