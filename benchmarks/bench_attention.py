@@ -21,22 +21,22 @@ Usage: ``python benchmarks/bench_attention.py [--docs 4 16] [--repeats 7]``
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 if __package__ in (None, ""):  # run as a script from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import median_seconds  # noqa: E402
+
 from zephon_loader.backends import (  # noqa: E402
     initialize_attn_module_and_func,
     postprocess_output_for_attn,
     preprocess_args_and_kwargs_for_attn,
 )
+from zephon_loader.finalize import block_causal_mask  # noqa: E402  (what the loader yields)
 
 
 def document_ids(rows: int, seq: int, docs: int, seed: int) -> torch.Tensor:
@@ -48,22 +48,6 @@ def document_ids(rows: int, seq: int, docs: int, seed: int) -> torch.Tensor:
         bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([seq])])
         out.append(torch.repeat_interleave(torch.arange(1, docs + 1), torch.diff(bounds)))
     return torch.stack(out)
-
-
-def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, 1, S, S]``: same nonzero id and key <= query (SPEC §6 ``block_causal``)."""
-    col = torch.arange(ids.shape[1])
-    return ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0) & (col[None, :] <= col[:, None]))[:, None]
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -15,10 +15,9 @@ median time of:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_seconds
 
 from zephon_loader import fields as F
 from zephon_loader.finalize import FinalizeSettings, finalize_batch
@@ -52,13 +51,7 @@ def packed_batch(batch_size: int, sequence_length: int, documents: int, seed: in
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:

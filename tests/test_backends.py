@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator

@@ -13,8 +13,6 @@ import yaml
 
 from zephon_loader import fields as F
 from zephon_loader.builders import build_text_loader
-from zephon_loader.collate import collate
-from zephon_loader.loader import ZephonLoader
 from zephon_loader.source import build_pipeline
 
 CONTRACTS = {

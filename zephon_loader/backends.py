@@ -68,7 +68,6 @@ install. No caller tensor is modified in place.
 from __future__ import annotations
 
 import importlib
-import math
 import operator
 from types import ModuleType
 from typing import Any, Callable, Final, cast
