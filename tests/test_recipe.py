@@ -517,3 +517,14 @@ def test_validation_copy_with_packing_none_still_builds_packed(sources, tokenize
     with loader:
         batch = next(iter(loader))
     assert batch[F.INPUT_IDS].shape[1] == config.sequence_length
+
+
+def test_model_contract_without_qkv_format_takes_the_yaml_thd(sources, tokenizer):
+    from nemo_automodel.components.models.common.packing import PackingCapabilities
+
+    config = instantiate(sources, contract={"packed_mask_type": "document_ids", "qkv_format": "thd"})
+    with recipe_build(config, tokenizer, packing_contract=PackingCapabilities("document_ids")) as loader:
+        batch = next(iter(loader))
+    assert batch[F.QKV_FORMAT] == "thd" and F.SEQ_LENS_PADDED in batch
+    with pytest.raises(ValueError, match="the model requires"):
+        recipe_build(config, tokenizer, packing_contract=PackingCapabilities("block_causal"))

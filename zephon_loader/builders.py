@@ -22,7 +22,7 @@ from zephon_loader.config import (
 )
 from zephon_loader.finalize import FinalizeSettings
 from zephon_loader.loader import ZephonLoader
-from zephon_loader.packing import validate_packing_contract
+from zephon_loader.packing import PackingContract, validate_packing_contract
 from zephon_loader.source import SourceSpec, ZephonSource, build_pipeline
 
 
@@ -45,25 +45,30 @@ def _as_config(config: TextLoaderConfig | Mapping[str, Any] | str | Path) -> Tex
     )
 
 
-def _same_contract(a: object, b: object) -> bool:
-    return validate_packing_contract(a) == validate_packing_contract(b)
-
-
 def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> object:
     """The contract to serve: the model's (``packing_contract``) or the configured one.
 
+    A model contract without ``qkv_format`` (AutoModel 0.7.0's
+    ``PackingCapabilities`` has none) takes the YAML's ``qkv_format``: THD is a
+    layout the loader adds on top of the mask representation.
+
     Raises:
-        ValueError: Both are given and disagree (the model's contract wins only
-            when the YAML leaves ``contract`` unset).
+        ValueError: Both are given and disagree on mask type or metadata (the
+            model's contract wins only when the YAML leaves ``contract`` unset).
     """
     if packing_contract is None:
         return config.packing_contract()
-    validate_packing_contract(packing_contract)
-    if config.contract is not None and not _same_contract(packing_contract, config.packing_contract()):
+    model = validate_packing_contract(packing_contract)
+    if config.contract is None:
+        return packing_contract
+    configured = validate_packing_contract(config.packing_contract())
+    if not hasattr(packing_contract, "qkv_format") and configured[2] != model[2]:
+        packing_contract = PackingContract(model[0], model[1], configured[2])  # type: ignore[arg-type]
+        model = validate_packing_contract(packing_contract)
+    if model != configured:
         raise ValueError(
-            f"dataloader.contract: the YAML asks for {validate_packing_contract(config.packing_contract())} "
-            f"(mask type, metadata, qkv format) but the model requires {validate_packing_contract(packing_contract)}; "
-            "remove 'contract' from the YAML to follow the model, or make them agree"
+            f"dataloader.contract: the YAML asks for {configured} (mask type, metadata, qkv format) but the model "
+            f"requires {model}; remove 'contract' from the YAML to follow the model, or make them agree"
         )
     return packing_contract
 
