@@ -345,17 +345,17 @@ def _classify_2d_mask(mask: torch.Tensor, attn_impl: str) -> tuple[str, bool]:
             return "binary", False
         non_binary, has_zero = torch.stack([((mask != 0) & (mask != 1)).any(), (mask == 0).any()]).tolist()
         if non_binary:
-            raise _bad(attn_impl, "attention_mask", f"a {mask.dtype} mask with values other than 0/1",
+            raise _bad(attn_impl, fields.ATTENTION_MASK, f"a {mask.dtype} mask with values other than 0/1",
                        "a bool or 0/1 padding mask, or integer document ids")
         return "binary", has_zero
     if mask.dtype.is_complex:
-        raise _bad(attn_impl, "attention_mask", f"dtype {mask.dtype}", "bool or an integer dtype")
+        raise _bad(attn_impl, fields.ATTENTION_MASK, f"dtype {mask.dtype}", "bool or an integer dtype")
     if mask.numel() == 0:
         return "binary", False
     low, high = torch.aminmax(mask)
     low_i, high_i = torch.stack([low, high]).tolist()
     if low_i < 0:
-        raise _bad(attn_impl, "attention_mask", f"a negative value {low_i}", "nonnegative document ids or a 0/1 mask")
+        raise _bad(attn_impl, fields.ATTENTION_MASK, f"a negative value {low_i}", "nonnegative document ids or a 0/1 mask")
     return ("indexed" if high_i > 1 else "binary"), low_i == 0
 
 
@@ -665,7 +665,7 @@ def initialize_attn_module_and_func(
             raise TypeError(f"Unsupported FA4 initialization kwargs: {sorted(kwargs)}")
         if qkv_format != "bshd":
             raise _bad(
-                "fa4", "qkv_format", repr(qkv_format), "'bshd'", "Pre-packed THD is unsupported by native FA4."
+                "fa4", fields.QKV_FORMAT, repr(qkv_format), "'bshd'", "Pre-packed THD is unsupported by native FA4."
             )
         flash_attn_func, flash_attn_varlen_func = _import_fa4()
         return None, _make_fa4_func(flash_attn_func, flash_attn_varlen_func, softmax_scale, attn_mask_type)
@@ -862,7 +862,7 @@ def preprocess_args_and_kwargs_for_attn(
         raise _unknown_impl(attn_impl)
     _check_qkv(q, k, v, attn_impl)
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        raise _bad(attn_impl, "attention_mask", type(attention_mask).__name__, "a torch.Tensor or None")
+        raise _bad(attn_impl, fields.ATTENTION_MASK, type(attention_mask).__name__, "a torch.Tensor or None")
     if attn_impl == "te":
         return _preprocess_te(q, k, v, attention_mask, kwargs)
     if attn_impl == "fa4":
@@ -887,14 +887,14 @@ def _preprocess_sdpa(
         if attention_mask.ndim == 2:
             if attention_mask.shape[0] != q.shape[0] or attention_mask.shape[1] < kv_len:
                 raise _bad(
-                    "sdpa", "attention_mask", f"shape {_shape(attention_mask)}",
+                    "sdpa", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)}",
                     f"[batch={q.shape[0]}, sequence>={kv_len}] (padding mask or document ids)",
                 )
             kind, has_padding_mask = _classify_2d_mask(attention_mask, "sdpa")
             if kind == "indexed":
                 if attention_mask.shape[1] != kv_len or q_len != kv_len:
                     raise _bad(
-                        "sdpa", "attention_mask", f"document ids of shape {_shape(attention_mask)} with q length "
+                        "sdpa", fields.ATTENTION_MASK, f"document ids of shape {_shape(attention_mask)} with q length "
                         f"{q_len} and k length {kv_len}", "[batch, sequence] with equal q and k lengths",
                     )
                 attn_kwargs[_SDPA_DOC_IDS] = attention_mask.to(device=q.device, dtype=torch.long)
@@ -907,16 +907,16 @@ def _preprocess_sdpa(
             b, h = attention_mask.shape[:2]
             if b not in (1, q.shape[0]) or h not in (1, q.shape[1]) or attention_mask.shape[2:] != (q_len, kv_len):
                 raise _bad(
-                    "sdpa", "attention_mask", f"shape {_shape(attention_mask)}",
+                    "sdpa", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)}",
                     f"an explicit mask broadcastable to [{q.shape[0]}, {q.shape[1]}, {q_len}, {kv_len}]",
                 )
             if attention_mask.dtype != torch.bool and not attention_mask.dtype.is_floating_point:
-                raise _bad("sdpa", "attention_mask", f"a 4D mask of dtype {attention_mask.dtype}",
+                raise _bad("sdpa", fields.ATTENTION_MASK, f"a 4D mask of dtype {attention_mask.dtype}",
                            "bool (True = attend) or an additive float mask")
             explicit_mask = attention_mask.to(device=q.device)
         else:
             raise _bad(
-                "sdpa", "attention_mask", f"shape {_shape(attention_mask)}",
+                "sdpa", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)}",
                 "[batch, sequence] (padding mask or document ids) or [batch, 1, sequence, sequence]",
             )
     if left is not None or right is not None or has_padding_mask:
@@ -958,15 +958,15 @@ def _preprocess_sdpa_thd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """THD for SDPA: ``[T, H, D] -> [H, T, D]`` plus document ids from ``cu_seqlens``."""
     if attention_mask is not None:
-        raise _bad("sdpa", "attention_mask", f"shape {_shape(attention_mask)} with THD q {_shape(q)}",
+        raise _bad("sdpa", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)} with THD q {_shape(q)}",
                    "None (THD documents come from cu_seqlens)")
     cu_seqlens = kwargs.get(fields.CU_SEQLENS)
     if cu_seqlens is None:
-        raise _bad("sdpa", "cu_seqlens", "None with THD q " + str(_shape(q)),
+        raise _bad("sdpa", fields.CU_SEQLENS, "None with THD q " + str(_shape(q)),
                    "a 1-D [documents + 1] tensor describing the packed stream")
     if k.shape[0] != q.shape[0]:
         raise _bad("sdpa", "k", f"{k.shape[0]} tokens", f"q's {q.shape[0]} tokens (packed self-attention)")
-    cu_seqlens = _check_cu_seqlens(cu_seqlens, "sdpa", "cu_seqlens", dtype=None)
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, "sdpa", fields.CU_SEQLENS, dtype=None)
     padded = kwargs.get(_CU_SEQLENS_PADDED)
     if padded is not None:
         padded = _check_cu_seqlens(padded, "sdpa", "cu_seqlens_padded", dtype=None)
@@ -988,12 +988,12 @@ def _preprocess_fa4(
     if q.ndim != 4:
         raise _bad("fa4", "q", f"THD shape {_shape(q)}", "BSHD [batch, sequence, heads, head_dim]", thd_hint)
     if kwargs.get(fields.QKV_FORMAT) == "thd":
-        raise _bad("fa4", "qkv_format", "'thd'", "'bshd' (or absent)", thd_hint)
+        raise _bad("fa4", fields.QKV_FORMAT, "'thd'", "'bshd' (or absent)", thd_hint)
     if kwargs.get(_CU_SEQLENS_PADDED) is not None:
         raise _bad("fa4", "cu_seqlens_padded", "a tensor (physical THD offsets)", "None", thd_hint)
     if attention_mask is not None and attention_mask.ndim != 2:
         raise _bad(
-            "fa4", "attention_mask", f"shape {_shape(attention_mask)}",
+            "fa4", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)}",
             "None or a [batch, sequence] mask (FA4 has no dense-mask entry point, even with cu_seqlens)",
             "Use attn_impl='sdpa' or 'te' for explicit masks.",
         )
@@ -1009,42 +1009,42 @@ def _preprocess_fa4(
     indices = kwargs.get(fields.PACKED_TOKEN_INDICES)
     max_seqlen = kwargs.get(fields.MAX_SEQLEN)
     if cu_seqlens is None and indices is not None:
-        raise _bad("fa4", "packed_token_indices", "a tensor without cu_seqlens", "cu_seqlens and max_seqlen with it")
+        raise _bad("fa4", fields.PACKED_TOKEN_INDICES, "a tensor without cu_seqlens", "cu_seqlens and max_seqlen with it")
     if cu_seqlens is None and attention_mask is not None:
         if attention_mask.shape != q.shape[:2]:
             raise _bad(
-                "fa4", "attention_mask", f"shape {_shape(attention_mask)}", f"[batch, sequence] = {list(q.shape[:2])}"
+                "fa4", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)}", f"[batch, sequence] = {list(q.shape[:2])}"
             )
         if attention_mask.numel() == 0:
-            raise _bad("fa4", "attention_mask", "an empty mask", "at least one valid token")
+            raise _bad("fa4", fields.ATTENTION_MASK, "an empty mask", "at least one valid token")
         kind, _ = _classify_2d_mask(attention_mask, "fa4")
         if kind == "indexed":
             raise _bad(
-                "fa4", "attention_mask", "indexed document ids without packed metadata",
+                "fa4", fields.ATTENTION_MASK, "indexed document ids without packed metadata",
                 "cu_seqlens, packed_token_indices and max_seqlen from the dataset", f"Then {_FLATTEN_HINT}.",
             )
         valid = attention_mask.to(dtype=torch.bool, device=q.device)
         seqlens = valid.sum(dim=-1)
         seqlens = seqlens[seqlens > 0]
         if seqlens.numel() == 0:
-            raise _bad("fa4", "attention_mask", "no valid token", "at least one valid token")
+            raise _bad("fa4", fields.ATTENTION_MASK, "no valid token", "at least one valid token")
         indices = torch.nonzero(valid.flatten(), as_tuple=False).flatten()
         cu_seqlens = tF.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
         max_seqlen = int(seqlens.max().item())
     if cu_seqlens is not None:
-        cu_seqlens = _check_cu_seqlens(cu_seqlens, "fa4", "cu_seqlens")
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, "fa4", fields.CU_SEQLENS)
         if indices is not None:
             if not isinstance(indices, torch.Tensor) or indices.ndim != 1:
                 seen = f"shape {_shape(indices)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
                 hint = f"Unflattened packed metadata: {_FLATTEN_HINT}." if isinstance(indices, torch.Tensor) else ""
                 raise _bad(
-                    "fa4", "packed_token_indices", seen, "a flat [tokens] index tensor into batch * sequence", hint
+                    "fa4", fields.PACKED_TOKEN_INDICES, seen, "a flat [tokens] index tensor into batch * sequence", hint
                 )
             if indices.dtype.is_floating_point or indices.dtype == torch.bool:
-                raise _bad("fa4", "packed_token_indices", f"dtype {indices.dtype}", "an integer dtype (int64)")
+                raise _bad("fa4", fields.PACKED_TOKEN_INDICES, f"dtype {indices.dtype}", "an integer dtype (int64)")
         if max_seqlen is None:
-            raise _bad("fa4", "max_seqlen", "None with cu_seqlens", "the int length of the longest document")
-        max_seqlen = _as_int(max_seqlen, "fa4", "max_seqlen")
+            raise _bad("fa4", fields.MAX_SEQLEN, "None with cu_seqlens", "the int length of the longest document")
+        max_seqlen = _as_int(max_seqlen, "fa4", fields.MAX_SEQLEN)
         if k.shape[:2] != q.shape[:2]:
             raise _bad("fa4", "k", f"shape {_shape(k)}", f"q's [batch, sequence] {list(q.shape[:2])} for packed input")
         attn_kwargs["cu_seqlens_q"] = cu_seqlens
@@ -1080,23 +1080,23 @@ def _preprocess_te(
     if attention_mask is not None:
         if attention_mask.ndim != 2:
             raise _bad(
-                "te", "attention_mask", f"shape {_shape(attention_mask)}", "a 2D [batch, sequence] padding mask",
+                "te", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)}", "a 2D [batch, sequence] padding mask",
                 "For packed sequences, use THD with cu_seqlens and attention_mask=None.",
             )
         if q.ndim != 4 or attention_mask.shape != q.shape[:2]:
-            raise _bad("te", "attention_mask", f"shape {_shape(attention_mask)} with q {_shape(q)}",
+            raise _bad("te", fields.ATTENTION_MASK, f"shape {_shape(attention_mask)} with q {_shape(q)}",
                        "BSHD q with a [batch, sequence] mask of the same leading shape")
         if cu_seqlens is not None:
-            raise _bad("te", "attention_mask", "a mask together with cu_seqlens", "None for packed THD input")
+            raise _bad("te", fields.ATTENTION_MASK, "a mask together with cu_seqlens", "None for packed THD input")
         kind, _ = _classify_2d_mask(attention_mask, "te")
         if kind == "indexed":
             raise _bad(
-                "te", "attention_mask", "indexed document ids", "a binary [batch, sequence] padding mask",
+                "te", fields.ATTENTION_MASK, "indexed document ids", "a binary [batch, sequence] padding mask",
                 "For packed documents, use THD q/k/v with cu_seqlens (+ cu_seqlens_padded) and attention_mask=None.",
             )
         valid = attention_mask.to(torch.bool)
         if valid.shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any().item()):
-            raise _bad("te", "attention_mask", "a valid token after padding", "a right-padded mask (TE derives "
+            raise _bad("te", fields.ATTENTION_MASK, "a valid token after padding", "a right-padded mask (TE derives "
                        "per-row lengths from it)")
         attn_kwargs["attn_mask_type"] = "padding_causal"
         attn_kwargs["attention_mask"] = valid.logical_not().unsqueeze(1).unsqueeze(2)
@@ -1104,12 +1104,12 @@ def _preprocess_te(
     if cu_seqlens is not None:
         if q.ndim != 3:
             raise _bad("te", "q", f"BSHD shape {_shape(q)} with cu_seqlens", "THD [tokens, heads, head_dim]")
-        cu_seqlens = _check_cu_seqlens(cu_seqlens, "te", "cu_seqlens")
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, "te", fields.CU_SEQLENS)
         padded = kwargs.get(_CU_SEQLENS_PADDED)
         max_seqlen = kwargs.get(fields.MAX_SEQLEN)
         if max_seqlen is None:
-            raise _bad("te", "max_seqlen", "None with cu_seqlens", "the int length of the longest document")
-        max_seqlen = _as_int(max_seqlen, "te", "max_seqlen")
+            raise _bad("te", fields.MAX_SEQLEN, "None with cu_seqlens", "the int length of the longest document")
+        max_seqlen = _as_int(max_seqlen, "te", fields.MAX_SEQLEN)
         attn_kwargs.update(
             {
                 "qkv_format": "thd",
@@ -1158,7 +1158,7 @@ def _preprocess_te(
                 attn_kwargs[name] = _as_int(kwargs[name], "te", name)
         return q, k, v, attn_kwargs
     if q.ndim == 3:
-        raise _bad("te", "cu_seqlens", f"None with THD q {_shape(q)}", "int32 [documents + 1] offsets and max_seqlen")
+        raise _bad("te", fields.CU_SEQLENS, f"None with THD q {_shape(q)}", "int32 [documents + 1] offsets and max_seqlen")
     return q, k, v, attn_kwargs
 
 

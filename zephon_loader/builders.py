@@ -207,7 +207,7 @@ def build_text_loader(
         "contract": list(validate_packing_contract(contract)),
         "xdoc": cfg.xdoc,
         "eligibility_field": cfg.eligibility_field,
-        "labels": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
+        "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
     }
     return ZephonLoader(
         ZephonSource(pipeline),

@@ -87,8 +87,8 @@ def document_ids_from_positions(position_ids: torch.Tensor, padding_mask: torch.
         TypeError / ValueError: wrong type, dtype, rank or shape; negative
         positions; padding that is not a trailing run.
     """
-    _check_positions(position_ids, "position_ids")
-    _check_padding_mask(padding_mask, tuple(position_ids.shape[-2:]), "padding_mask")
+    _check_positions(position_ids, F.POSITION_IDS)
+    _check_padding_mask(padding_mask, tuple(position_ids.shape[-2:]), F.PADDING_MASK)
     starts = _document_starts(position_ids)
     ids = torch.cumsum(starts, dim=1, dtype=torch.int64)
     return ids.masked_fill(padding_mask, 0)
@@ -105,7 +105,7 @@ def next_token_starts_document(
             column (the final label target, dropped by the shift) starts a new
             subdocument. ``None`` means it does not.
     """
-    _check_positions(position_ids, "position_ids")
+    _check_positions(position_ids, F.POSITION_IDS)
     starts = _document_starts(position_ids)
     batch = starts.shape[0]
     if last_next_starts is None:
