@@ -342,3 +342,26 @@ def test_collate_wrapper_and_eligibility_are_applied(pretokenized_parquet_source
     excluded = (batch[F.ATTENTION_MASK] == 0) & ~batch[F.PADDING_MASK]
     assert bool(excluded.any()), "eligibility holes must reach the attention ids"
     assert bool((batch[F.PACKED_TOKEN_INDICES][excluded] == -1).all())
+
+
+def test_eos_mask_loss_on_pretokenized_input(pretokenized_parquet_source, tokenizer_dir, tokenizer):
+    eos = tokenizer.eos_token_id
+    cfg = {
+        "sources": [{"name": "tok", "path": str(pretokenized_parquet_source)}],
+        "tokenizer": {"pretokenized_field": "tokens"},
+        "pad_token_id": tokenizer.pad_token_id,
+        "sequence_length": 40,
+        "micro_batch_size": 2,
+        "mask_cross_document_labels": False,
+        "eos_mask_loss": True,
+        "eos_token_id": eos,
+        "contract": {"attn_implementation": "fa4"},
+        "runtime": {"runner": "threads"},
+    }
+    with build_text_loader(cfg) as loader:
+        batches = collect(loader)
+    assert batches
+    for batch in batches:
+        from_eos = batch[F.INPUT_IDS] == eos
+        assert bool(from_eos.any())
+        assert bool((batch[F.LABELS][from_eos] == F.IGNORE_INDEX).all())

@@ -189,6 +189,8 @@ class TextLoaderConfig:
             token (its target is the next document). ``None``: on unless xdoc.
         eos_mask_loss: Mask labels whose target is ``eos_token_id``.
         eos_token_id: Required with ``eos_mask_loss``.
+        pad_token_id: Pad id for packing (default: the tokenizer's pad, else its
+            EOS); needed for pretokenized input without a tokenizer.
         seed: Zephon mixture/shuffle seed.
         shuffle: Shuffle records within Zephon's work chunks.
         chunk_size: Zephon work-chunk size in records; ``None`` picks one that fits the smallest source.
@@ -212,6 +214,7 @@ class TextLoaderConfig:
     mask_cross_document_labels: bool | None = None
     eos_mask_loss: bool = False
     eos_token_id: int | None = None
+    pad_token_id: int | None = None
     seed: int = 0
     shuffle: bool = True
     chunk_size: int | None = None
