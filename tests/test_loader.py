@@ -365,3 +365,16 @@ def test_eos_mask_loss_on_pretokenized_input(pretokenized_parquet_source, tokeni
         from_eos = batch[F.INPUT_IDS] == eos
         assert bool(from_eos.any())
         assert bool((batch[F.LABELS][from_eos] == F.IGNORE_INDEX).all())
+
+
+def test_preview_mid_iteration_then_a_new_pass(sources, tokenizer_dir):
+    with build_text_loader(config(sources, tokenizer_dir, read_ahead=2, xdoc=True)) as loader:
+        it = iter(loader)
+        first = next(it)
+        next(it)
+        preview = loader.preview()
+        again = next(iter(loader))
+    assert torch.equal(preview[F.INPUT_IDS], first[F.INPUT_IDS])
+    assert torch.equal(again[F.INPUT_IDS], first[F.INPUT_IDS])
+    assert int(preview[F.ATTENTION_DOCUMENT_IDS].max()) == 1  # xdoc joined
+    assert int(preview[F.DOCUMENT_IDS].max()) >= 1

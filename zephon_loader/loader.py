@@ -154,6 +154,8 @@ class ZephonLoader(StatefulDataLoader):
         from zephon_loader.attention import adapt_model_inputs, join_subdocuments
 
         self._check_open()
+        if self._read_ahead is not None:
+            self._read_ahead.close()  # park the reader: the source is used from this thread now
         self._source.reset(None)
         try:
             raw = next(self._source)
