@@ -83,3 +83,26 @@ def test_two_ranks_read_their_own_lanes_and_resume_exactly(tmp_path):
         assert len(resumed) == len(expected), f"rank {rank}"
         for got, want in zip(resumed, expected):
             assert torch.equal(got, want), f"rank {rank} resumed differently"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_two_ranks_with_the_torch_store():
+    """Real torch.distributed (gloo on loopback): Zephon's torch:// aggregate store and exact per-rank resume."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("torchrun_worker.py")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(worker),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("resume exact: True") == 2, result.stdout

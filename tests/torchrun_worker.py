@@ -1,0 +1,51 @@
+"""Worker for test_distributed.py: run by ``torchrun --nproc_per_node 2`` on loopback (gloo).
+
+Each rank builds its loader on its DP lane with Zephon's ``torch://`` aggregate
+store, takes ``state_dict()`` after 3 batches (a collective), finishes the
+pass, then resumes a fresh loader from the state and checks the remainder is
+identical. Exit code 0 = exact.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from zephon_loader import fields as F
+from zephon_loader.builders import build_text_loader
+from zephon_loader.config import default_config_path
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node = yaml.safe_load(default_config_path().read_text())["dataloader"]
+    node.pop("_target_")
+    node.update(
+        base_dir=str(default_config_path().parent),
+        distributed={"aggregate_store": "torch://", "run_id": "torchrun-test"},
+        runtime={"runner": "threads"},
+        sequence_length=128,
+    )
+    with build_text_loader(node, dp_rank=rank, dp_world_size=world) as loader:
+        it = iter(loader)
+        head = [next(it)[F.INPUT_IDS] for _ in range(3)]
+        state = loader.state_dict()
+        rest = [batch[F.INPUT_IDS] for batch in it]
+    with build_text_loader(node, dp_rank=rank, dp_world_size=world) as loader:
+        loader.load_state_dict(state)
+        again = [batch[F.INPUT_IDS] for batch in loader]
+    exact = len(rest) == len(again) and all(torch.equal(a, b) for a, b in zip(rest, again))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, torch.cat([b.flatten() for b in head]).tolist())
+    distinct = rank != 0 or gathered[0] != gathered[1]
+    print(f"rank {rank}: {len(rest)} batches after the state, resume exact: {exact}, lanes distinct: {distinct}")
+    dist.destroy_process_group()
+    return 0 if exact and distinct and rest else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
