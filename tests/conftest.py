@@ -83,6 +83,16 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike[str], *, vo
     return out
 
 
+def collect(loader: Iterable[Any], limit: int | None = None) -> list[Any]:
+    """The batches of one pass of ``loader`` (at most ``limit``)."""
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
 def _split(records: Sequence[Any], shards: int) -> list[Sequence[Any]]:
     size = -(-len(records) // shards)
     return [records[i * size : (i + 1) * size] for i in range(shards)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import collect
 from zephon_loader import fields as F
 from zephon_loader.builders import build_text_loader
 from zephon_loader.source import build_pipeline
@@ -61,15 +62,6 @@ def direct_input_tokens(cfg, tokenizer_dir) -> list[torch.Tensor]:
             out.append(training["input_ids"][~training["padding_mask"]])
     finally:
         iterator.close()
-    return out
-
-
-def collect(loader, limit=None):
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if limit is not None and len(out) >= limit:
-            break
     return out
 
 

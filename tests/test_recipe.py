@@ -34,7 +34,7 @@ from nemo_automodel.components.datasets.packing import DEFAULT_PACKED_SEQUENCE_C
 from nemo_automodel.components.models.common.packing import PackingCapabilities  # noqa: E402
 from nemo_automodel.components.training.rng import ScopedRNG  # noqa: E402
 
-from conftest import train_tokenizer  # noqa: E402
+from conftest import collect, train_tokenizer  # noqa: E402
 from zephon_loader import ZephonDataloaderConfig, build_text_loader  # noqa: E402
 from zephon_loader import builders  # noqa: E402
 from zephon_loader import fields as F  # noqa: E402
@@ -103,15 +103,6 @@ def recipe_build(config, tokenizer, **overrides) -> ZephonLoader:
     kwargs.update(overrides)
     with ScopedRNG(seed=config.seed, ranked=True):
         return config.build(**kwargs)
-
-
-def collect(loader, limit=None):
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if limit is not None and len(out) >= limit:
-            break
-    return out
 
 
 def input_rows(batches) -> list[tuple[int, ...]]:
