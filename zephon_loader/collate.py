@@ -41,6 +41,16 @@ def _document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return zero
 
 
+def _ids_from_starts(starts: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B, S]``: 1-based subdocument ids from bool starts, 0 at padding."""
+    return torch.cumsum(starts, dim=1, dtype=torch.int64).masked_fill(padding_mask, 0)
+
+
+def _next_starts(starts: torch.Tensor, last_next_starts: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, S]``: whether each column's label target starts a subdocument (``last``: the dropped token)."""
+    return torch.cat([starts[:, 1:], last_next_starts[:, None]], dim=1)
+
+
 def _check_positions(position_ids: Any, where: str) -> None:
     if not isinstance(position_ids, torch.Tensor):
         raise TypeError(_err(where, _describe(position_ids), "a torch.Tensor", "Pass int64 positions."))
@@ -89,9 +99,7 @@ def document_ids_from_positions(position_ids: torch.Tensor, padding_mask: torch.
     """
     _check_positions(position_ids, F.POSITION_IDS)
     _check_padding_mask(padding_mask, tuple(position_ids.shape[-2:]), F.PADDING_MASK)
-    starts = _document_starts(position_ids)
-    ids = torch.cumsum(starts, dim=1, dtype=torch.int64)
-    return ids.masked_fill(padding_mask, 0)
+    return _ids_from_starts(_document_starts(position_ids), padding_mask)
 
 
 def next_token_starts_document(
@@ -116,7 +124,7 @@ def next_token_starts_document(
         or tuple(last_next_starts.shape) != (batch,)
     ):
         raise ValueError(_err("last_next_starts", _describe(last_next_starts), f"bool [{batch}]", "Pass one flag per row."))
-    return torch.cat([starts[:, 1:], last_next_starts[:, None]], dim=1)
+    return _next_starts(starts, last_next_starts)
 
 
 def _last_packed_position_is_zero(zephon_batch: Any) -> torch.Tensor:
@@ -272,9 +280,9 @@ def collate(
 
     # --- derive ------------------------------------------------------------------------
     starts = _document_starts(positions)
-    document_ids = torch.cumsum(starts, dim=1, dtype=torch.int64).masked_fill(padding, 0)
+    document_ids = _ids_from_starts(starts, padding)
     if mask_cross_document_labels:
-        crossing = torch.cat([starts[:, 1:], _last_packed_position_is_zero(zephon_batch)[:, None]], dim=1)
+        crossing = _next_starts(starts, _last_packed_position_is_zero(zephon_batch))
         labels = torch.where(crossing, torch.full_like(labels, F.IGNORE_INDEX), labels)
 
     result: dict[str, torch.Tensor] = {
