@@ -8,6 +8,7 @@ reading data.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from functools import partial
@@ -21,9 +22,12 @@ from zephon_loader.config import (
     load_yaml,
 )
 from zephon_loader.finalize import FinalizeSettings
+from zephon_loader.fingerprint import shard_list_fingerprint, tokenizer_fingerprint
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import PackingContract, validate_packing_contract
-from zephon_loader.source import SourceSpec, ZephonSource, build_pipeline
+from zephon_loader.records import DropLog, ShardTable
+from zephon_loader.stats import CountingCollate, LoaderStats
+from zephon_loader.source import SourceSpec, ZephonSource, _load_tokenizer, build_pipeline, pad_token_id_of
 
 
 def _as_config(config: TextLoaderConfig | Mapping[str, Any] | str | Path) -> TextLoaderConfig:
@@ -147,6 +151,9 @@ def build_text_loader(
         chat_template = str(cfg.resolve_path(chat_template))
     sources = [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources]
     dist = cfg.distributed
+    drop_dir = tempfile.mkdtemp(prefix="zephon_loader_drops_")
+    owned.append(drop_dir)
+    drop_log = os.path.join(drop_dir, "drops.jsonl")
 
     try:
         pipeline = _build_pipeline_in(
@@ -181,6 +188,10 @@ def build_text_loader(
             aggregate_store=dist.aggregate_store,
             run_id=dist.run_id,
             runtime_options=cfg.runtime.options() or None,
+            on_bad_record=cfg.on_bad_record,
+            max_record_tokens=cfg.max_record_tokens,
+            max_record_bytes=cfg.max_record_bytes,
+            drop_log=drop_log,
         )
     except BaseException:
         _remove(owned)
@@ -193,11 +204,21 @@ def build_text_loader(
         eos_token_id=cfg.eos_token_id,
         eligibility=cfg.eligibility_field is not None,
         physical_cu_seqlens=False,  # the final map never yields them
+        # Zephon delivers the short batch of each flush and of the end of the stream: pad it to B rows.
+        micro_batch_size=cfg.micro_batch_size,
+        pad_token_id=(cfg.pad_token_id if cfg.pad_token_id is not None
+                      else pad_token_id_of(_load_tokenizer(Path(tokenizer_path)))),
     )
+    shards = ShardTable.from_folders([s.name for s in sources], [s.path for s in sources])
     fingerprint = {
-        # Paths are left out on purpose: a run may resume where the data is mounted elsewhere.
+        # Shard contents, not paths: a run may resume where the data is mounted elsewhere (zephon_loader.fingerprint).
         "sources": [[s.name, s.weight] for s in sources],
+        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in shards.sources},
         "tokenizer": [tok.text_field, tok.pretokenized_field, tok.chat_field, tok.special_tokens],
+        "tokenizer_files": tokenizer_fingerprint(tokenizer_path),
+        "chat_template": [tok.chat_template, tok.chat_loss_scope],
+        "canonical_replicas": dist.canonical_replicas or dp_world_size,
+        "records": [cfg.on_bad_record, cfg.max_record_tokens, cfg.max_record_bytes],
         "sequence_length": cfg.sequence_length,
         "micro_batch_size": cfg.micro_batch_size,
         "packing": [cfg.packing.algorithm, cfg.packing.num_bins, cfg.pad_token_id],
@@ -210,14 +231,15 @@ def build_text_loader(
         "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
     }
     return ZephonLoader(
-        ZephonSource(pipeline),
-        collate_fn,
+        ZephonSource(pipeline, shards),
+        CountingCollate(collate_fn),
         settings,
         read_ahead=cfg.read_ahead,
         collate_wrapper=collate_wrapper,
         fingerprint=fingerprint,
         pin_memory=pin_memory,
-        on_close=partial(_remove, owned) if owned else None,
+        on_close=partial(_remove, owned),
+        stats=LoaderStats([s.name for s in sources], DropLog(drop_log)),
     )
 
 

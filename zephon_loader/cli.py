@@ -104,10 +104,12 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
             if steps is not None and batches >= steps:
                 break
         elapsed = time.perf_counter() - built
+        dropped = loader.stats()["dropped"]
     if first is None:
+        counts = "; ".join(f"{reason}: {e['documents']} (first at {e['first']})" for reason, e in dropped.items())
         raise ValueError(
-            f"{config}: the loader yielded no batch; the sources hold fewer than micro_batch_size packed rows "
-            "(or every record was dropped): lower micro_batch_size or sequence_length, or add data"
+            f"{config}: the loader yielded no batch: every record was dropped ({counts or 'no drop recorded'}); "
+            "fix the data, raise the limits, or use packing.algorithm: wrap for documents longer than a row"
         )
     report = {
         "config": str(config),

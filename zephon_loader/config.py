@@ -197,6 +197,12 @@ class TextLoaderConfig:
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
         block_mask_budget_bytes: Largest block-causal ``[B, 1, S, S]`` mask allowed.
+        on_bad_record: ``error`` (default: stop at the first malformed record,
+            naming source, shard file and line/row) or ``skip`` (leave it out,
+            counted by reason in ``loader.stats()``); see :mod:`zephon_loader.records`.
+        max_record_tokens: Records with more tokens are bad records (``None``: no limit).
+        max_record_bytes: Texts larger than this many UTF-8 bytes are bad records,
+            refused before tokenizing (``None``: no limit).
         distributed: See :class:`DistributedConfig`.
         runtime: See :class:`RuntimeConfig`.
         base_dir: Folder relative paths resolve against (set by the YAML reader).
@@ -220,6 +226,9 @@ class TextLoaderConfig:
     chunk_size: int | None = None
     read_ahead: int = 2
     block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES
+    on_bad_record: Literal["error", "skip"] = "error"
+    max_record_tokens: int | None = None
+    max_record_bytes: int | None = None
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     base_dir: str = "."
@@ -242,6 +251,9 @@ class TextLoaderConfig:
         for name in ("sequence_length", "micro_batch_size", "block_mask_budget_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0")
+        for name in ("max_record_tokens", "max_record_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0 or null")
         if self.packing.num_bins is not None and self.packing.num_bins <= 0:
             raise ValueError(f"dataloader.packing.num_bins: got {self.packing.num_bins}, expected an int > 0 or null")
         if self.read_ahead < 0:

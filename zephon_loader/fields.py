@@ -42,6 +42,11 @@ ATTENTION_DOCUMENT_IDS: Final = "attention_document_ids"
 #: Optional per-token bool from a processor; False = neither attends nor is attended.
 ATTENTION_ELIGIBILITY: Final = "attention_eligibility"
 
+#: Per-batch ``[[component id, documents, tokens], ...]`` from Zephon's row provenance
+#: (:func:`zephon_loader.stats.batch_source_counts`); the loader counts it into ``stats()``
+#: when the batch is yielded, and never yields it.
+SOURCE_COUNTS: Final = "_source_counts"
+
 # --- packed-sequence metadata (AutoModel's gathered-token bundle) ---------------
 PACKED_TOKEN_INDICES: Final = "packed_token_indices"
 #: Before the final map: Zephon's physical offsets; after: gathered-token offsets.

@@ -1,0 +1,487 @@
+"""What a valid record is, where a record came from, and the bad-record policy.
+
+Two Zephon operators run on every record (they see Zephon's ``SampleRecord``,
+so every message names the record's source, shard file and line/row):
+
+* :class:`CheckRawRecords` before tokenization (text and chat input): the
+  record is a JSON object, the text (or messages) field is there and has the
+  right type, chat contents hold no special-token strings, the record is not
+  larger than ``max_record_bytes``.
+* :class:`CheckTokens` after tokenization (every mode; it replaces the old
+  ``KeepTokenFields``): token ids are a non-empty 1-D integer list inside the
+  vocabulary, per-token fields (loss mask, eligibility) are as long as the
+  tokens, the record is not longer than ``max_record_tokens``; then it keeps
+  only the fields packing needs. With ``first_fit``/``best_fit`` it also drops
+  (and counts, never errors) records longer than a row, before Zephon's packer
+  would drop them with only a log line.
+
+Policy (``on_bad_record``):
+
+* ``"error"`` (default): the first bad record stops the stream with a
+  :class:`BadRecordError` naming the source, shard file, line (JSONL, 1-based)
+  or row (Parquet, 0-based), the field, what was seen and what was expected.
+* ``"skip"``: the record is left out (Zephon gets a tombstone, so its
+  checkpoints stay exact), counted by reason in :class:`DropLog`, and logged
+  once per reason with its first location.
+
+A :class:`DropLog` is an append-only JSONL file of drop events shared by every
+Zephon worker (threads or processes): one line per dropped record, keyed by the
+record's cursor so a record read twice (a resume replays from a chunk start)
+counts once. :mod:`zephon_loader.stats` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zephon_loader import fields as F
+from zephon_loader.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
+
+__all__ = [
+    "BAD_RECORD_POLICIES",
+    "LONGER_THAN_ROW",
+    "REASONS",
+    "BadRecordError",
+    "CheckRawRecords",
+    "CheckTokens",
+    "DropLog",
+    "ShardTable",
+]
+
+logger = logging.getLogger("zephon_loader.records")
+
+BAD_RECORD_POLICIES = ("error", "skip")
+
+#: Why a record can be bad: reason -> what it means (the ``stats()`` keys).
+REASONS: dict[str, str] = {
+    "not_an_object": "the record is not a JSON object (null, a number, a string or a list)",
+    "missing_field": "the configured field is absent",
+    "wrong_type": "the field holds the wrong type",
+    "special_token_text": "chat text contains a special-token string of the tokenizer",
+    "token_out_of_range": "a pretokenized id is negative or not below the vocabulary size",
+    "misaligned_field": "a per-token field is not as long as the token ids",
+    "empty": "nothing to train on (empty text or no token ids)",
+    "too_many_bytes": "the text is larger than max_record_bytes",
+    "too_many_tokens": "the record has more tokens than max_record_tokens",
+}
+#: ``first_fit``/``best_fit`` cannot split a record longer than a row: dropped and counted, never an error.
+LONGER_THAN_ROW = "longer_than_row"
+
+
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
+_PARQUET_SUFFIX = ".parquet"
+
+
+class BadRecordError(ValueError):
+    """A record the loader refuses under ``on_bad_record: error``; the message says where and why."""
+
+
+# ----------------------------------------------------------------------------- where a record is
+
+
+@dataclass(frozen=True)
+class SourceShards:
+    """One source's shard files in Zephon's shard-id order (sorted file names)."""
+
+    name: str
+    folder: str
+    files: tuple[str, ...]
+    kind: str  # "jsonl" | "parquet"
+
+
+@dataclass(frozen=True)
+class ShardTable:
+    """Maps Zephon's ``sample_id = (dataset_id, shard_id, index)`` to a source, shard file and line/row.
+
+    Zephon numbers a directory's shards in sorted file-name order and a JSONL
+    record by its non-blank line; :meth:`where` turns that back into the
+    physical 1-based line (reading the file only on this error path).
+    """
+
+    sources: tuple[SourceShards, ...]
+
+    @classmethod
+    def from_folders(cls, names: Sequence[str], folders: Sequence[str | os.PathLike[str]]) -> "ShardTable":
+        out = []
+        for name, folder in zip(names, folders, strict=True):
+            path = Path(folder)
+            files = sorted(p.name for p in path.iterdir() if p.is_file())
+            jsonl = tuple(n for n in files if n.endswith(_JSONL_SUFFIXES))
+            kind = "jsonl" if jsonl else "parquet"
+            shards = jsonl or tuple(n for n in files if n.endswith(_PARQUET_SUFFIX))
+            out.append(SourceShards(name, str(path), shards, kind))
+        return cls(tuple(out))
+
+    def source_name(self, sample_id: Sequence[int]) -> str:
+        dataset = int(sample_id[0])
+        return self.sources[dataset].name if 0 <= dataset < len(self.sources) else f"dataset #{dataset}"
+
+    def where(self, sample_id: Sequence[int]) -> str:
+        """``source 'web', shard /data/web/part-00001.jsonl, line 17`` (or ``row 16`` for Parquet)."""
+        dataset, shard, index = (int(x) for x in sample_id[:3])
+        if not 0 <= dataset < len(self.sources):
+            return f"dataset #{dataset}, shard #{shard}, record #{index}"
+        src = self.sources[dataset]
+        if not 0 <= shard < len(src.files):
+            return f"source {src.name!r}, shard #{shard} of {src.folder}, record #{index}"
+        file = os.path.join(src.folder, src.files[shard])
+        if src.kind == "parquet":
+            return f"source {src.name!r}, shard {file}, row {index} (0-based)"
+        line = _physical_line(file, index)
+        return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")
+
+
+    def unparsable(self, error: Exception) -> "BadRecordError":
+        """The error for a JSONL line Zephon's reader could not parse, naming the shard and line.
+
+        Zephon's ``json.loads`` sees one line, so its own message says "line 1";
+        the first line of the sources that does not parse is searched here (only
+        on this error path). Such a line is always an error, even under
+        ``on_bad_record: skip``: Zephon's reader fails before any check runs.
+        """
+        for src in self.sources:
+            if src.kind != "jsonl":
+                continue
+            for name in src.files:
+                file = os.path.join(src.folder, name)
+                if not file.endswith(".jsonl"):
+                    continue
+                with open(file, encoding="utf-8", errors="replace") as handle:
+                    for number, line in enumerate(handle, start=1):
+                        if line.isspace():
+                            continue
+                        try:
+                            json.loads(line)
+                        except ValueError as bad:
+                            return BadRecordError(
+                                f"source {src.name!r}, shard {file}, line {number}: not valid JSON ({bad.msg} at "
+                                f"column {bad.colno}): {line.strip()[:60]!r}. Fix or remove the line; a line that "
+                                "does not parse is an error even under on_bad_record: skip (Zephon's reader fails on it)."
+                            )
+        return BadRecordError(f"a JSONL shard holds a line that is not valid JSON ({error}); none found on re-reading "
+                              "the shards: were they changed while the loader ran?")
+
+
+def _physical_line(file: str, index: int) -> int | None:
+    """1-based line number of the ``index``-th non-blank line (Zephon's record numbering)."""
+    if not file.endswith(".jsonl"):
+        return None  # compressed shards: Zephon's index is all we can name cheaply
+    try:
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            seen = -1
+            for number, line in enumerate(handle, start=1):
+                if not line.isspace():
+                    seen += 1
+                    if seen == index:
+                        return number
+    except OSError:
+        return None
+    return None
+
+
+# ----------------------------------------------------------------------------- drop log
+
+
+class DropLog:
+    """Append-only JSONL file of dropped records, shared by Zephon's workers (threads or processes).
+
+    One line per drop: ``{"key": [lane, chunk, offset], "sample": [dataset, shard, index],
+    "source": name, "reason": str, "tokens": int | null, "where": str}``. Appends
+    of one short line are atomic on POSIX, so concurrent workers never interleave.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def append(self, event: Mapping[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode("utf-8"))
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                return [json.loads(line) for line in handle if line.strip()]
+        except FileNotFoundError:
+            return []
+
+
+#: (log path, reason) pairs already logged by this process: "logged once per reason".
+_LOGGED: set[tuple[str, str]] = set()
+
+
+# ----------------------------------------------------------------------------- the operators
+
+
+class _RecordOp:
+    """Shared machinery: locate, refuse or skip (tombstone + count) a record.
+
+    Subclasses implement :meth:`check` ``payload -> (new payload, None)`` or
+    ``(None, (reason, field, seen, expected, fix))``. Instances are plain
+    picklable objects (Zephon deep-copies them per worker and cloudpickles them
+    for the process runner).
+    """
+
+    def __init__(self, *, shards: ShardTable, policy: str, log: DropLog) -> None:
+        if policy not in BAD_RECORD_POLICIES:
+            raise ValueError(f"on_bad_record: got {policy!r}, expected one of {list(BAD_RECORD_POLICIES)}")
+        self.shards = shards
+        self.policy = policy
+        self.log = log
+
+    def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:  # pragma: no cover
+        raise NotImplementedError
+
+    def sample_payload(self) -> dict[str, Any]:  # pragma: no cover
+        """A valid payload of the shape this check expects (for Zephon's operator validator)."""
+        raise NotImplementedError
+
+    def validation_samples(self) -> list[Any]:
+        """Valid records on two lanes for Zephon's operator validator (its synthetic ones would be "bad records")."""
+        from zephon.types import SampleMeta, SampleRecord
+
+        return [
+            SampleRecord(meta=SampleMeta(sample_id=(0, 0, i), lane_id=i % 2, chunk_id=0, chunk_offset=i),
+                         payload=self.sample_payload())
+            for i in range(4)
+        ]
+
+    def __call__(self, elems: list[Any]) -> list[Any]:
+        from zephon.ops.children import tombstones_for_record
+
+        out: list[Any] = []
+        for elem in elems:
+            meta = elem.meta
+            if meta.tombstone:
+                out.append(elem)
+                continue
+            payload, problem = self.check(elem.payload)
+            if problem is None:
+                elem.payload = payload
+                out.append(elem)
+                continue
+            reason, field, seen, expected, fix = problem
+            where = self.shards.where(meta.sample_id)
+            if reason != LONGER_THAN_ROW and self.policy == "error":
+                raise BadRecordError(
+                    f"{where}: field {field!r} got {seen}, expected {expected}. {fix} "
+                    "(or set on_bad_record: skip to leave such records out, counted in loader.stats())"
+                )
+            tokens = _token_count(payload)
+            self.log.append({
+                "key": [int(meta.lane_id), int(meta.chunk_id), int(meta.chunk_offset), list(meta.lineage)],
+                "sample": [int(x) for x in meta.sample_id],
+                "source": self.shards.source_name(meta.sample_id),
+                "reason": reason,
+                "tokens": tokens,
+                "where": where,
+            })
+            if (self.log.path, reason) not in _LOGGED:
+                _LOGGED.add((self.log.path, reason))
+                logger.warning("zephon_loader: dropping records (%s), first at %s: field %r got %s, expected %s",
+                               reason, where, field, seen, expected)
+            out.extend(tombstones_for_record(elem))
+        return out
+
+
+def _token_count(payload: Any) -> int | None:
+    if isinstance(payload, Mapping) and ZEPHON_TOKENS_KEY in payload:
+        try:
+            return int(len(payload[ZEPHON_TOKENS_KEY]))
+        except TypeError:
+            return None
+    return None
+
+
+def _describe(value: Any) -> str:
+    """``null``, ``42 (int)``, ``["a", "b"] (list)``: the value as JSON, cut short, and its type."""
+    if value is None:
+        return "null"
+    try:
+        text = json.dumps(value, default=repr, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+class CheckRawRecords(_RecordOp):
+    """Before tokenization: the record is an object whose text / messages field is well typed.
+
+    Args:
+        mode: ``"text"`` (``field`` holds a str) or ``"chat"`` (``field`` holds
+            a list of ``{"role": str, "content": str}``).
+        field: The text or messages field.
+        max_record_bytes: Largest UTF-8 size of the text (chat: of all contents); ``None`` = no limit.
+        special_strings: The tokenizer's special-token strings; refused inside chat
+            contents (the rendered chat template is tokenized with them as control tokens).
+    """
+
+    def __init__(self, *, mode: str, field: str, max_record_bytes: int | None, special_strings: Sequence[str] = (),
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.mode = mode
+        self.field = field
+        self.max_record_bytes = max_record_bytes
+        self.special_strings = tuple(s for s in special_strings if s)
+
+    def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:
+        field = self.field
+        if not isinstance(payload, Mapping):
+            return None, ("not_an_object", "<record>", _describe(payload),
+                          f"a JSON object with a {field!r} field", "Write one JSON object per line.")
+        if field not in payload:
+            return None, ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
+                          f"a record containing {field!r}", f"Add {field!r} to every record or set the field name.")
+        value = payload[field]
+        if self.mode == "text":
+            if not isinstance(value, str):
+                return None, ("wrong_type", field, _describe(value), "a string",
+                              "Store the document text as one JSON string.")
+            size = len(value.encode("utf-8"))
+            if not value.strip():
+                return None, ("empty", field, _describe(value), "non-blank text", "Remove empty records.")
+        else:
+            problem = self._check_messages(value)
+            if problem is not None:
+                return None, problem
+            size = sum(len(m["content"].encode("utf-8")) for m in value)
+        if self.max_record_bytes is not None and size > self.max_record_bytes:
+            return None, ("too_many_bytes", field, f"{size} bytes", f"at most max_record_bytes={self.max_record_bytes}",
+                          "Split the document, or raise max_record_bytes.")
+        return payload, None
+
+    def sample_payload(self) -> dict[str, Any]:
+        if self.mode == "text":
+            return {self.field: "a valid document"}
+        return {self.field: [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+    def _check_messages(self, value: Any) -> tuple[str, str, Any, str, str] | None:
+        field = self.field
+        expected = "a non-empty list of {'role': str, 'content': str}"
+        if not isinstance(value, list):
+            return ("wrong_type", field, _describe(value), expected, "Store the chat as a list.")
+        if not value:
+            return ("empty", field, "[]", expected, "Remove empty conversations.")
+        for i, message in enumerate(value):
+            if (not isinstance(message, Mapping) or not isinstance(message.get("role"), str)
+                    or not isinstance(message.get("content"), str)):
+                return ("wrong_type", f"{field}[{i}]", _describe(message), "{'role': str, 'content': str}",
+                        "Give every message a string role and content.")
+            for special in self.special_strings:
+                if special in message["content"]:
+                    return ("special_token_text", f"{field}[{i}].content", f"text containing {special!r}",
+                            "no special-token strings of the tokenizer inside message text",
+                            "The chat template is tokenized with special tokens as control ids, so this text would "
+                            "become a control token; clean the data.")
+        return None
+
+
+class CheckTokens(_RecordOp):
+    """After tokenization (or on pretokenized records): keep what packing needs, checked.
+
+    ``pack_flat`` slices every payload value that has a length as if it were
+    per-token (the Parquet pitfall), so only the token field (renamed to
+    Zephon's ``input_ids``), the chat loss mask and the eligibility field
+    (renamed to ``fields.ATTENTION_ELIGIBILITY``) are kept.
+
+    Args:
+        tokens_field: Token id field (``input_ids`` after Zephon's tokenizer, or the pretokenized column).
+        vocab_size: Ids must be ``< vocab_size`` (``None``: only ``>= 0`` is checked).
+        max_record_tokens: Largest token count (``None`` = no limit).
+        row_capacity: With ``first_fit``/``best_fit``, ``L + 1``: longer records are
+            dropped and counted as :data:`LONGER_THAN_ROW`; ``None`` for the wrap algorithms.
+        eligibility_field, loss_mask_field: Optional per-token fields to keep.
+    """
+
+    def __init__(self, *, tokens_field: str, vocab_size: int | None, max_record_tokens: int | None,
+                 row_capacity: int | None, eligibility_field: str | None = None, loss_mask_field: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tokens_field = tokens_field
+        self.vocab_size = vocab_size
+        self.max_record_tokens = max_record_tokens
+        self.row_capacity = row_capacity
+        self.eligibility_field = eligibility_field
+        self.loss_mask_field = loss_mask_field
+
+    def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:
+        field = self.tokens_field
+        if not isinstance(payload, Mapping):
+            return None, ("not_an_object", "<record>", _describe(payload),
+                          f"a JSON object with a {field!r} field", "Write one JSON object per record.")
+        if field not in payload:
+            return None, ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
+                          f"a record containing {field!r}", "Set pretokenized_field to the column of token ids.")
+        raw = payload[field]
+        tokens = _int_array(raw)
+        if tokens is None:
+            return None, ("wrong_type", field, _describe(raw), "a list of integer token ids",
+                          "Store one list of ints per record.")
+        if tokens.size == 0:
+            return None, ("empty", field, "[]", "at least one token id", "Remove empty records.")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            bad = low if low < 0 else high
+            return None, ("token_out_of_range", field, f"id {bad}",
+                          f"ids in [0, {self.vocab_size})" if self.vocab_size is not None else "ids >= 0",
+                          "Tokenize with this tokenizer (or fix the vocabulary).")
+        out: dict[str, Any] = {ZEPHON_TOKENS_KEY: tokens}
+        for src, dst, dtype in (
+            (self.loss_mask_field, ZEPHON_LOSS_MASK_KEY, np.uint8),
+            (self.eligibility_field, F.ATTENTION_ELIGIBILITY, np.bool_),
+        ):
+            if src is None:
+                continue
+            if src not in payload:
+                return None, ("missing_field", src, f"a record with keys {sorted(map(str, payload))[:8]}",
+                              f"a record containing {src!r}", "Add the per-token field to every record or unset it.")
+            values = np.asarray(payload[src])
+            if values.shape != tokens.shape:
+                return None, ("misaligned_field", src, f"shape {values.shape}", f"one value per token, {tokens.shape}",
+                              "Make the per-token field as long as the token field.")
+            out[dst] = values.astype(dtype, copy=False)
+        n = int(tokens.size)
+        if self.max_record_tokens is not None and n > self.max_record_tokens:
+            return out, ("too_many_tokens", field, f"{n} tokens", f"at most max_record_tokens={self.max_record_tokens}",
+                         "Split the document, or raise max_record_tokens.")
+        if self.row_capacity is not None and n > self.row_capacity:
+            return out, (LONGER_THAN_ROW, field, f"{n} tokens", f"at most {self.row_capacity} (one row)",
+                         "Use packing.algorithm: wrap to split long documents.")
+        return out, None
+
+
+    def sample_payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {self.tokens_field: [0, 0, 0]}
+        for name in (self.loss_mask_field, self.eligibility_field):
+            if name is not None:
+                payload[name] = [1, 1, 1]
+        return payload
+
+
+def _int_array(raw: Any) -> np.ndarray | None:
+    """``raw`` as a 1-D int64 array, or ``None`` when it is not a list/array of integers (bools refused)."""
+    if isinstance(raw, (str, bytes, Mapping)) or raw is None:
+        return None
+    try:
+        array = np.asarray(raw)
+    except (ValueError, TypeError):
+        return None
+    if array.ndim != 1:
+        return None
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
+        return None
+    return array.astype(np.int64, copy=False)
