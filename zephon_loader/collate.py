@@ -2,8 +2,10 @@
 
 :func:`collate` calls ``SampleBatch.to_training(return_labels=True, ...)``
 (next-token shift, padding mask, Zephon's physical ``cu_seqlens``), derives
-``document_ids`` and applies the label-masking options. Everything is
-vectorized; nothing modifies a tensor or array it did not create.
+``document_ids`` and applies the label-masking options, and completes the
+short batch Zephon delivers at each flush and at the end of the stream to
+``B`` rows with all-padding rows. Everything is vectorized; nothing modifies
+a tensor or array it did not create.
 
 Shapes: Zephon packs rows of ``S + 1`` tokens; after the shift every
 per-token field is ``[B, S]``.
@@ -140,6 +142,42 @@ def _last_packed_position_is_zero(zephon_batch: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(zero))
 
 
+def _pad_rows(result: dict[str, torch.Tensor], rows: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``result`` completed to ``rows`` rows with all-padding rows (new tensors; the inputs are not modified).
+
+    A padding row follows Zephon's convention for a pad tail: pad ids, label
+    ``IGNORE_INDEX``, padding mask True, document id 0, positions ``0..S-1``
+    (the tail is numbered as its own run), eligibility False (``pack_flat``
+    pads aligned fields with 0) and one physical segment ``[0, S, ..., S]``.
+    """
+    input_ids = result[F.INPUT_IDS]
+    present, length = input_ids.shape
+    missing = rows - present
+    if missing == 0:
+        return result
+
+    def extend(tensor: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor, fill], dim=-2)
+
+    positions = result[F.POSITION_IDS]
+    tail_positions = torch.arange(length, dtype=positions.dtype).expand(*positions.shape[:-2], missing, length)
+    out = dict(result)
+    out[F.INPUT_IDS] = extend(input_ids, torch.full((missing, length), pad_token_id, dtype=input_ids.dtype))
+    out[F.LABELS] = extend(result[F.LABELS], torch.full((missing, length), F.IGNORE_INDEX, dtype=torch.int64))
+    out[F.PADDING_MASK] = extend(result[F.PADDING_MASK], torch.ones(missing, length, dtype=torch.bool))
+    out[F.POSITION_IDS] = extend(positions, tail_positions)
+    out[F.DOCUMENT_IDS] = extend(result[F.DOCUMENT_IDS], torch.zeros(missing, length, dtype=torch.int64))
+    if F.ATTENTION_ELIGIBILITY in result:
+        ineligible = torch.zeros(missing, length, dtype=torch.bool)
+        out[F.ATTENTION_ELIGIBILITY] = extend(result[F.ATTENTION_ELIGIBILITY], ineligible)
+    if F.CU_SEQLENS in result:
+        cu = result[F.CU_SEQLENS]
+        segments = torch.full((missing, cu.shape[1]), length, dtype=cu.dtype)
+        segments[:, 0] = 0
+        out[F.CU_SEQLENS] = extend(cu, segments)
+    return out
+
+
 def collate(
     zephon_batch: Any,
     *,
@@ -148,6 +186,8 @@ def collate(
     eos_token_id: int | None = None,
     eligibility: bool | None = None,
     physical_cu_seqlens: bool = True,
+    micro_batch_size: int | None = None,
+    pad_token_id: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Turn one Zephon ``SampleBatch`` (from ``pack_flat(S + 1).batch(B)``) into a TrainingBatch.
 
@@ -195,6 +235,14 @@ def collate(
             drops them, and computing them is a quarter of this function's time.
         eligibility: Carry ``fields.ATTENTION_ELIGIBILITY`` from the payload:
             ``None`` = when present, ``True`` = required, ``False`` = never.
+        micro_batch_size: ``B``. A batch with fewer records (Zephon's
+            ``batch(B, drop_last=False)`` delivers the short batch left at each
+            flush and at the end of the stream) is completed with all-padding
+            rows: ``pad_token_id`` ids, ``IGNORE_INDEX`` labels, padding mask
+            True, document id 0, positions ``0..S-1``, eligibility False,
+            physical ``cu_seqlens`` ``[0, S, ..., S]``. More records than ``B``
+            is an error. ``None``: the batch keeps its own row count.
+        pad_token_id: The pipeline's pad id; required with ``micro_batch_size``.
 
     Raises:
         TypeError / ValueError: bad arguments, or Zephon output that is not
@@ -219,9 +267,19 @@ def collate(
                               "Pass the EOS id the pipeline appends (tokenizer.eos_token_id)."))
     if eligibility is not None and not isinstance(eligibility, bool):
         raise TypeError(_err("eligibility", repr(eligibility), "None, True or False", "Pass a bool or None."))
+    if micro_batch_size is not None:
+        for name, value, low in (("micro_batch_size", micro_batch_size, 1), ("pad_token_id", pad_token_id, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(_err(name, repr(value), f"an int >= {low} when micro_batch_size is set",
+                                      "Pass the loader's B and the pipeline's pad_token_id."))
     records = zephon_batch.records
     if len(records) == 0:
-        raise ValueError(_err("zephon_batch", "an empty batch", "at least one record", "Use batch(B) with drop_last."))
+        raise ValueError(_err("zephon_batch", "an empty batch", "at least one record",
+                              "Zephon's batch(B) never emits an empty batch; check the pipeline."))
+    if micro_batch_size is not None and len(records) > micro_batch_size:
+        raise ValueError(_err("zephon_batch", f"{len(records)} records",
+                              f"at most micro_batch_size={micro_batch_size}",
+                              "Build the pipeline with batch(micro_batch_size)."))
     first = records[0].payload
     if not isinstance(first, dict):
         raise TypeError(_err("zephon_batch.records[0].payload", type(first).__name__, "a dict (pack_flat output)",
@@ -300,4 +358,6 @@ def collate(
             raise ValueError(_err(f"to_training()[{F.ATTENTION_ELIGIBILITY!r}]", _describe(elig), f"shape {shape}",
                                   "The eligibility field must be per-token."))
         result[F.ATTENTION_ELIGIBILITY] = elig != 0
+    if micro_batch_size is not None:
+        result = _pad_rows(result, int(micro_batch_size), int(pad_token_id))
     return result
