@@ -202,14 +202,11 @@ def test_bad_states_are_refused(sources, tokenizer_dir):
         with pytest.raises(ValueError, match="state_dict.format"):
             loader.load_state_dict({**state, "format": "other"})
         corrupt = json.loads(json.dumps(state))
-        corrupt["loader"]["root"] = {"nothing": 1}
+        corrupt["zephon_checkpoint"] = None
         with pytest.raises(ValueError, match="no Zephon checkpoint"):
             loader.load_state_dict(corrupt)
         broken = json.loads(json.dumps(state))
-        node = broken["loader"]["root"]
-        while "zephon_checkpoint" not in node:
-            node = node.get("source") or node.get("it_state")
-        node["zephon_checkpoint"] = {"version": 2}
+        broken["zephon_checkpoint"] = {"version": 2}
         with pytest.raises(ValueError, match="corrupt or incompatible"):
             loader.load_state_dict(broken)
     other = config(sources, tokenizer_dir, sequence_length=40)

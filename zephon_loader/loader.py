@@ -2,49 +2,75 @@
 
 The ``torchdata.nodes`` graph, one direction::
 
-    ZephonSource ─► Mapper(collate) ─► ReadAhead(final map)? ─► Mapper(final map)? ─► PinMemory? ─► Loader
+    ZephonSource ─► ReadAhead(collate ─► final map ─► pin memory?) ─► iterator
 
-* ``ZephonSource``: state = ``pipeline.checkpoint()``, taken only in ``state_dict()``.
-* ``collate``: ``SampleBatch.to_training`` + document ids (CPU tensors).
-* final map: :func:`~zephon_loader.finalize.finalize_batch` then the optional
-  recipe ``collate_wrapper``; run by :class:`~zephon_loader.readahead.ReadAhead`
-  in a background thread when ``read_ahead > 0`` (exact on resume), else inline.
-* ``PinMemory`` only when CUDA is available.
+* ``ZephonSource``: Zephon's ``SampleBatch`` es; state = ``pipeline.checkpoint()``,
+  taken only in ``state_dict()``.
+* :class:`~zephon_loader.readahead.ReadAhead`: ``collate``
+  (``SampleBatch.to_training`` + document ids), then the final map
+  (:func:`~zephon_loader.finalize.finalize_batch`, then the recipe's
+  ``collate_wrapper``) and pinning when CUDA is available; ``read_ahead``
+  batches ahead in a background thread, or inline when ``read_ahead`` is 0.
+* The state is the loader's own, the same whatever ``read_ahead`` is:
+  ``{"format", "fingerprint", "zephon_checkpoint", "buffered"}`` (see
+  :meth:`ZephonLoader.state_dict`); batches are re-routed by lane on an
+  elastic resume (:mod:`zephon_loader.handoff`).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from torchdata.nodes import BaseNode, Loader, Mapper, PinMemory
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from zephon_loader import fields as F
 from zephon_loader.finalize import FinalizeSettings, finalize_batch
-from zephon_loader.readahead import ReadAhead
+from zephon_loader.handoff import LaneHandoff
+from zephon_loader.readahead import ReadAhead, decode_batch
 from zephon_loader.source import ZephonSource
+from zephon_loader.stats import LoaderStats
 
 #: Version tag of :meth:`ZephonLoader.state_dict`; bumped on incompatible changes.
-STATE_FORMAT = "zephon_loader.state/1"
+STATE_FORMAT = "zephon_loader.state/2"
+#: Earlier formats, with why they cannot be resumed.
+_RETIRED_FORMATS = {
+    "zephon_loader.state/1": (
+        "it was saved by an earlier zephon_loader whose state nested torchdata's node states, so its layout "
+        "depended on read_ahead and it did not carry the lane of read-ahead batches"
+    ),
+}
 
 
 class FinalMap:
-    """The final map stage as a picklable callable: finalize, then the recipe's wrapper.
+    """The final map stage as a picklable callable: finalize, then the recipe's wrapper, then pinning.
 
     Args:
         settings: Fixed per loader.
         collate_wrapper: AutoModel-style ``wrapper(collate_fn) -> collate_fn``;
             it receives the finalized batch as its "examples".
+        pin_memory: Return pinned copies of the tensors (needs CUDA).
     """
 
-    def __init__(self, settings: FinalizeSettings, collate_wrapper: Callable | None = None) -> None:
+    def __init__(
+        self, settings: FinalizeSettings, collate_wrapper: Callable | None = None, pin_memory: bool = False
+    ) -> None:
         self.settings = settings
         self._wrapped = collate_wrapper(_identity) if collate_wrapper is not None else None
+        self.pin_memory = pin_memory
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         out = finalize_batch(batch, self.settings)
-        return self._wrapped(out) if self._wrapped is not None else out
+        if F.SOURCE_COUNTS in batch:  # accounting rides along to the yield, where the loader takes it out
+            out[F.SOURCE_COUNTS] = batch[F.SOURCE_COUNTS]
+        if self._wrapped is not None:
+            out = self._wrapped(out)
+        if self.pin_memory:
+            out = {name: value.pin_memory() if isinstance(value, torch.Tensor) else value for name, value in out.items()}
+        return out
 
 
 def _identity(batch: Any) -> Any:
@@ -58,15 +84,43 @@ class ZephonLoader(StatefulDataLoader):
     config's ``build``). Drop-in for a ``StatefulDataLoader`` slot:
 
     * ``for batch in loader``: dicts of CPU tensors (pinned when CUDA is
-      available) with AutoModel's names (SPEC §6). A second ``iter()`` starts
-      a new pass from the beginning, unless ``load_state_dict`` came first.
-    * ``state_dict()``: JSON- and pickle-safe dict. Taken after the training
-      loop consumed ``k`` batches, a loader that ``load_state_dict``-s it yields
-      batch ``k + 1`` next, read-ahead or not. In multi-rank runs it is a
-      collective (Zephon aggregates lanes): every rank must call it.
+      available) with AutoModel's names (SPEC §6). A new ``iter()`` starts a
+      new pass from the beginning (or from the state ``load_state_dict`` gave)
+      and invalidates the previous iterator: advancing that one raises
+      ``RuntimeError`` instead of silently moving the new pass.
+    * ``state_dict()``: JSON- and pickle-safe dict (AutoModel's
+      ``weights_only`` load accepts it). Taken after the training loop
+      consumed ``k`` batches, a loader that ``load_state_dict``-s it yields
+      batch ``k + 1`` next, whatever ``read_ahead`` either loader has (a
+      performance knob, not part of the stream). Safe from any thread at any
+      time, ``next()`` and ``iter()`` included: a call that overlaps a
+      ``next()`` reflects that batch either as delivered (that ``next()``
+      returns it) or as not (a resume yields it again), never half. Before
+      the first ``iter()`` it is the start of the stream; after
+      ``load_state_dict`` and before ``iter()`` it is the loaded state.
+    * In multi-rank runs ``state_dict()`` is a collective (Zephon's
+      checkpoint, then the gather of read-ahead batches): every DP rank must
+      call it at the same step. Elastic resume at another DP size
+      (``canonical_replicas`` divisible by both) is exact with read-ahead on:
+      every rank's state carries every rank's pulled-but-undelivered batches
+      tagged by Zephon lane, and each resumed rank delivers those of the
+      lanes it owns now before continuing Zephon's stream (within the window
+      open at the state Zephon may permute the order; no row is lost or
+      repeated). Both halves of a split rank load the old rank's state.
     * ``load_state_dict(state)``: checked now (format, configuration
-      fingerprint, Zephon's schema); applied at the next ``iter()``.
-    * ``close()`` / ``with``: stops the read-ahead thread and Zephon's workers.
+      fingerprint, Zephon's schema and lane count, the buffered batches);
+      applied at the next ``iter()``.
+    * ``close()`` / ``with``: stops the read-ahead thread and Zephon's
+      workers, then runs ``on_close``. A loader dropped without ``close()``
+      does the same when it is garbage-collected (``weakref.finalize``).
+
+    State layout (``STATE_FORMAT`` ``"zephon_loader.state/2"``)::
+
+        {"format": "zephon_loader.state/2",
+         "fingerprint": {...},                 # what fixes the stream (builders)
+         "zephon_checkpoint": {...},           # pipeline.checkpoint(): every lane
+         "buffered": [{"lane": int,            # pulled from Zephon, not yet delivered,
+                       "batch": {...}}, ...]}  # collated (readahead.encode_batch), in order
 
     Args:
         source: The Zephon source node (owned: closed with the loader).
@@ -77,8 +131,9 @@ class ZephonLoader(StatefulDataLoader):
         fingerprint: JSON-able description of everything that fixes the batch
             stream; a state saved under another fingerprint is refused.
         pin_memory: Pin yielded tensors; ``None`` = when CUDA is available.
-        on_close: Called once by :meth:`close` after the workers stopped
-            (e.g. removes a tokenizer folder the builder saved).
+        on_close: Called once after the workers stopped, by :meth:`close` or
+            when the loader is collected (e.g. removes a tokenizer folder the
+            builder saved); it must not refer to the loader.
 
     It subclasses torchdata's ``StatefulDataLoader`` only so that AutoModel
     0.7.0's recipe recognizes it as a dataloader and saves/loads its state per
@@ -98,6 +153,7 @@ class ZephonLoader(StatefulDataLoader):
         fingerprint: Mapping[str, Any] | None = None,
         pin_memory: bool | None = None,
         on_close: Callable[[], None] | None = None,
+        stats: LoaderStats | None = None,
     ) -> None:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"read_ahead: got {read_ahead!r}, expected an int >= 0")
@@ -105,29 +161,72 @@ class ZephonLoader(StatefulDataLoader):
         self.fingerprint = dict(fingerprint or {})
         self._source = source
         self._collate_fn = collate_fn
-        final_map = FinalMap(settings, collate_wrapper)
-        node: BaseNode = Mapper(source, collate_fn)
-        self._read_ahead: ReadAhead | None = None
-        if read_ahead:
-            self._read_ahead = ReadAhead(node, read_ahead, transform=final_map)
-            node = self._read_ahead
-        else:
-            node = Mapper(node, final_map)
+        self._stats = stats
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        if pin_memory:
-            node = PinMemory(node)
-        self._loader = Loader(node, restart_on_stop_iteration=False)
-        self._on_close = on_close
-        self._closed = False
+        final_map = FinalMap(settings, collate_wrapper, pin_memory=bool(pin_memory))
+        self._read_ahead = ReadAhead(source, read_ahead, final_map, collate=collate_fn)
+        self._handoff = LaneHandoff(source.pipeline)
+        # Lock order: _consume_lock -> _state_lock -> (ReadAhead's own locks).
+        self._consume_lock = threading.RLock()  # one next() at a time; iter()/preview()/close() wait for it
+        self._state_lock = threading.RLock()  # state_dict / load_state_dict / iter() / close()
+        self._generation = 0  # bumped by iter() and preview(): older iterators are stale
+        self._started = False  # the node has been reset for a pass
+        self._pending: dict[str, Any] | None = None  # loaded state, applied at the next iter()
+        # Everything the finalizer touches is passed in: it must not keep the loader alive.
+        self._finalizer = weakref.finalize(self, _release, self._read_ahead, source, self._handoff, on_close)
 
     def __len__(self) -> int:
         raise TypeError("ZephonLoader has no len(): the number of packed batches is not known before iterating")
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._check_open()
-        return iter(self._loader)
+        with self._consume_lock, self._state_lock:
+            self._check_open()
+            pending, self._pending = self._pending, None
+            if self._stats is not None:
+                self._stats.load_state_dict(pending["stats"]) if pending is not None else self._stats.reset()
+            self._generation += 1
+            self._started = False
+            if pending is None:
+                self._read_ahead.reset(None)
+            else:
+                owned = self._handoff.owned_lanes()
+                self._read_ahead.reset({
+                    ReadAhead.SOURCE_KEY: {ZephonSource.STATE_KEY: pending["zephon_checkpoint"]},
+                    ReadAhead.BUFFERED_KEY: [e for e in pending["buffered"] if e[ReadAhead.LANE_KEY] in owned],
+                })
+            self._started = True
+            return _Pass(self, self._generation)
+
+    def _next(self, generation: int) -> dict[str, Any]:
+        with self._consume_lock:
+            self._check_open()
+            if generation != self._generation:
+                raise RuntimeError(
+                    f"ZephonLoader: this iterator is stale (pass {generation}; pass {self._generation} is current): "
+                    "a later iter(loader) or preview() restarted the stream; advance the newest iterator, "
+                    "or call iter(loader) once per pass"
+                )
+            batch = next(self._read_ahead)
+            counts = batch.pop(F.SOURCE_COUNTS, None)
+            if self._stats is not None and counts is not None:
+                self._stats.add_delivered(counts)
+            return batch
+
+    def stats(self) -> dict[str, Any]:
+        """What this loader delivered and dropped, per source and reason (:meth:`LoaderStats.snapshot`).
+
+        Delivered counts are exact at the last yielded batch and continue
+        across ``state_dict``/``load_state_dict``; drops count records Zephon's
+        workers have read (bad records under ``on_bad_record: skip``, records
+        longer than a row under ``first_fit``/``best_fit``). In multi-rank runs,
+        each rank reports its own.
+        """
+        with self._state_lock:
+            if self._stats is None:
+                raise RuntimeError("ZephonLoader.stats: this loader was built without accounting (stats=None)")
+            return self._stats.snapshot()
 
     @property
     def yielded_fields(self) -> tuple[str, ...]:
@@ -144,8 +243,9 @@ class ZephonLoader(StatefulDataLoader):
 
         Internal names (``document_ids``, ``attention_document_ids``,
         ``attention_eligibility`` when configured, ...) for inspection tools.
-        It restarts the Zephon source: call it on a loader you are not
-        iterating (the next ``iter()`` starts from the beginning anyway).
+        It restarts the Zephon source, so a live iterator becomes stale (it
+        raises ``RuntimeError`` when advanced); the next ``iter()`` starts
+        from the beginning, or from a state loaded before.
 
         Raises:
             RuntimeError: The stream is empty.
@@ -153,41 +253,63 @@ class ZephonLoader(StatefulDataLoader):
         from zephon_loader import fields as F
         from zephon_loader.attention import adapt_model_inputs, join_subdocuments
 
-        self._check_open()
-        if self._read_ahead is not None:
+        with self._consume_lock, self._state_lock:
+            self._check_open()
+            self._generation += 1
+            self._started = False
             self._read_ahead.close()  # park the reader: the source is used from this thread now
-        self._source.reset(None)
-        try:
-            raw = next(self._source)
-        except StopIteration as error:
-            raise RuntimeError("preview: the Zephon pipeline yielded no batch") from error
-        batch = dict(self._collate_fn(raw))
-        adapt_model_inputs(batch, batch.get(F.ATTENTION_ELIGIBILITY))
-        if self.settings.xdoc:
-            join_subdocuments(batch)
-        self._source.reset(None)
-        return batch
+            self._source.reset(None)
+            try:
+                raw = next(self._source)
+            except StopIteration as error:
+                raise RuntimeError("preview: the Zephon pipeline yielded no batch") from error
+            batch = dict(self._collate_fn(raw))
+            adapt_model_inputs(batch, batch.get(F.ATTENTION_ELIGIBILITY))
+            if self.settings.xdoc:
+                join_subdocuments(batch)
+            self._source.reset(None)
+            return batch
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The exact position of the training loop (see the class docstring)."""
-        self._check_open()
-        return {
-            "format": STATE_FORMAT,
-            "fingerprint": copy.deepcopy(self.fingerprint),
-            "loader": self._loader.state_dict(),
-        }
+        """The exact position of the training loop (see the class docstring for the layout)."""
+        with self._state_lock:
+            self._check_open()
+            if self._pending is not None:
+                return copy.deepcopy(self._pending)
+            if self._started:
+                node = self._read_ahead.get_state()
+                checkpoint = node[ReadAhead.SOURCE_KEY][ZephonSource.STATE_KEY]
+                local = node[ReadAhead.BUFFERED_KEY]
+            else:  # start of the stream (no pass yet, or preview() restarted it)
+                checkpoint = self._source.state_dict()[ZephonSource.STATE_KEY]
+                local = []
+            return {
+                "format": STATE_FORMAT,
+                "fingerprint": copy.deepcopy(self.fingerprint),
+                "zephon_checkpoint": checkpoint,
+                "buffered": self._handoff.gather(checkpoint, local),
+                "stats": self._stats.state_dict() if self._stats is not None else None,
+            }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` output at the next ``iter()``.
 
+        Any ``read_ahead`` and, within ``canonical_replicas``, any DP size may
+        have saved it.
+
         Raises:
             TypeError: Not a mapping.
-            ValueError: Empty, another format, a different configuration
-                (the differing keys are named), or a corrupt Zephon checkpoint.
-                Never a silent fresh start.
+            ValueError: Empty, another or a retired format, a different
+                configuration (the differing keys are named), a corrupt Zephon
+                checkpoint or one with another lane count, or malformed
+                buffered batches. Never a silent fresh start.
         """
-        self._check_open()
+        with self._state_lock:
+            self._check_open()
+            self._pending = self._checked_state(state_dict)
+
+    def _checked_state(self, state_dict: Any) -> dict[str, Any]:
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"state_dict: got {type(state_dict).__name__}, expected the dict returned by ZephonLoader.state_dict()"
@@ -197,10 +319,14 @@ class ZephonLoader(StatefulDataLoader):
                 "state_dict: got an empty dict, expected the dict returned by ZephonLoader.state_dict(); "
                 "to start from the beginning, do not call load_state_dict"
             )
-        if state_dict.get("format") != STATE_FORMAT:
+        format_ = state_dict.get("format")
+        if format_ != STATE_FORMAT:
+            why = _RETIRED_FORMATS.get(format_) if isinstance(format_, str) else None
             raise ValueError(
-                f"state_dict.format: got {state_dict.get('format')!r}, expected {STATE_FORMAT!r}; "
-                "this state was not saved by this version of ZephonLoader.state_dict()"
+                f"state_dict.format: got {format_!r}, expected {STATE_FORMAT!r}; "
+                + (f"{why}; resume it with the zephon_loader version that saved it, or start a new pass "
+                   "(do not call load_state_dict)" if why else
+                   "this state was not saved by this version of ZephonLoader.state_dict()")
             )
         saved = state_dict.get("fingerprint")
         if saved != self.fingerprint:
@@ -215,30 +341,65 @@ class ZephonLoader(StatefulDataLoader):
                 f"state_dict.fingerprint: the state was saved by a loader with a different configuration ({details}); "
                 "resume with the configuration it was saved with"
             )
-        loader_state = state_dict.get("loader")
-        zephon_state = _find_source_state(loader_state)
-        if zephon_state is None:
+        checkpoint = state_dict.get("zephon_checkpoint")
+        if not isinstance(checkpoint, Mapping):
             raise ValueError(
-                "state_dict.loader: no Zephon checkpoint found inside; expected the dict returned by "
-                "ZephonLoader.state_dict() (the state is truncated or corrupt)"
+                f"state_dict.zephon_checkpoint: got {type(checkpoint).__name__}, no Zephon checkpoint found; expected "
+                "the dict returned by ZephonLoader.state_dict() (the state is truncated or corrupt)"
             )
         try:
-            self._source.validate_state(zephon_state)
+            self._source.validate_state({ZephonSource.STATE_KEY: checkpoint})
         except Exception as error:  # Zephon raises several types for a bad schema
             raise ValueError(f"state_dict: the Zephon checkpoint inside is corrupt or incompatible: {error}") from error
-        self._loader.load_state_dict(copy.deepcopy(dict(loader_state)))
+        lanes = self._handoff.canonical_replicas
+        world = checkpoint.get("world")
+        saved_lanes = world.get("canonical_replicas") if isinstance(world, Mapping) else None
+        if saved_lanes is not None and saved_lanes != lanes:
+            raise ValueError(
+                f"state_dict.zephon_checkpoint.world.canonical_replicas: saved {saved_lanes!r}, now {lanes}; Zephon "
+                f"cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
+                f"{saved_lanes} (any DP size that divides it)"
+            )
+        buffered = state_dict.get("buffered")
+        if not isinstance(buffered, list):
+            raise ValueError(
+                f"state_dict.buffered: got {type(buffered).__name__}, expected the list of read-ahead batches "
+                "(empty without read-ahead) returned by ZephonLoader.state_dict()"
+            )
+        for index, entry in enumerate(buffered):
+            where = f"state_dict.buffered[{index}]"
+            lane = entry.get(ReadAhead.LANE_KEY) if isinstance(entry, Mapping) else None
+            if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < lanes:
+                raise ValueError(f"{where}.lane: got {lane!r}, expected a lane id in [0, {lanes})")
+            batch = entry.get(ReadAhead.BATCH_KEY)
+            if not isinstance(batch, Mapping):
+                raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
+            try:
+                decode_batch(batch)
+            except ValueError as error:
+                raise ValueError(f"{where}.batch: {error}") from error
+        return {
+            "format": STATE_FORMAT,
+            "fingerprint": copy.deepcopy(dict(saved)),
+            "zephon_checkpoint": copy.deepcopy(dict(checkpoint)),
+            "buffered": copy.deepcopy(buffered),
+            "stats": self._checked_stats(state_dict.get("stats")),
+        }
+
+    def _checked_stats(self, stats: Any) -> Any:
+        if self._stats is None:
+            return None
+        if not isinstance(stats, Mapping):
+            raise ValueError(f"state_dict.stats: got {type(stats).__name__}, expected the accounting dict "
+                             "returned by ZephonLoader.state_dict()")
+        LoaderStats(self._stats.source_names, self._stats.drop_log).load_state_dict(stats)  # raises if malformed
+        return copy.deepcopy(dict(stats))
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the read-ahead thread and Zephon's workers. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._read_ahead is not None:
-            self._read_ahead.close()
-        self._source.close()
-        if self._on_close is not None:
-            self._on_close()
+        """Stop the read-ahead thread and Zephon's workers, then run ``on_close``. Idempotent."""
+        with self._consume_lock, self._state_lock:
+            self._finalizer()
 
     def __enter__(self) -> "ZephonLoader":
         return self
@@ -247,19 +408,40 @@ class ZephonLoader(StatefulDataLoader):
         self.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if not self._finalizer.alive:
             raise RuntimeError("ZephonLoader is closed; build a new loader")
 
 
-def _find_source_state(state: Any) -> Mapping[str, Any] | None:
-    """The Zephon checkpoint nested in a torchdata ``Loader`` state (through Mapper/ReadAhead levels)."""
-    while isinstance(state, Mapping):
-        if ZephonSource.is_state(state):
-            return state
-        for key in ("root", "it_state", ReadAhead.SOURCE_KEY):
-            if key in state:
-                state = state[key]
-                break
-        else:
-            return None
-    return None
+class _Pass(Iterator[dict[str, Any]]):
+    """One pass over a :class:`ZephonLoader`; stale once a later ``iter()`` (or ``preview()``) restarted it."""
+
+    def __init__(self, loader: ZephonLoader, generation: int) -> None:
+        self._loader = loader
+        self._generation = generation
+
+    def __iter__(self) -> "_Pass":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return self._loader._next(self._generation)
+
+
+def _release(read_ahead: ReadAhead, source: ZephonSource, handoff: LaneHandoff, on_close: Callable[[], None] | None) -> None:
+    """Close what a loader owns; run by ``close()`` or when the loader is collected.
+
+    Garbage collection can run it in any thread, the read-ahead thread
+    included; that thread cannot join itself (nor close the Zephon iterator it
+    may be inside), so there the work moves to a new thread.
+    """
+    if read_ahead.in_reader_thread():
+        threading.Thread(
+            target=_release, args=(read_ahead, source, handoff, on_close), name="zephon-loader-release", daemon=True
+        ).start()
+        return
+    try:
+        read_ahead.close()
+        source.close()
+        handoff.close()
+    finally:
+        if on_close is not None:
+            on_close()

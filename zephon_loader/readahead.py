@@ -1,17 +1,29 @@
-"""Exact read-ahead: a ``torchdata.nodes`` node that pulls batches in a background thread.
+"""Exact read-ahead over a Zephon source: collate and finalize batches ahead, restorable in any topology.
 
-torchdata's ``Prefetcher`` snapshots its source's state for every item, which
-for a Zephon source means a ``pipeline.checkpoint()`` per batch (a cross-rank
-collective in multi-rank runs). :class:`ReadAhead` instead asks its source
-for state only when its own state is asked for, and stays exact by carrying
-the batches it has pulled but not yet delivered inside that state:
+:class:`ReadAhead` is the one ``torchdata.nodes`` node between the Zephon
+source and the consumer. It pulls Zephon ``SampleBatch`` es, collates them and
+applies the final map, either inline in the consumer's thread (``depth=0``) or
+up to ``depth`` batches ahead in one background thread.
 
-``state = {"source": <source state after the last pull>, "buffered": [<encoded batch>, ...]}``
+Why a batch pulled ahead needs a state of its own: Zephon counts a batch as
+delivered when its iterator yields it, so once read-ahead has pulled it,
+``pipeline.checkpoint()`` will never produce it again. Exactness therefore
+needs the batches pulled but not yet delivered inside the state. They are kept
+*collated* (before the final map, which is re-applied on resume) and *tagged
+with their Zephon lane* (``SampleBatch.lane_ids``; Zephon batches within one
+lane), so that after an elastic resume each batch can go to whichever rank owns
+its lane now (see :mod:`zephon_loader.handoff`):
 
-Resuming restores the source and delivers the buffered batches first, so a
-``state_dict()`` taken after the consumer saw ``k`` batches resumes at batch
-``k + 1`` whatever the read-ahead depth. The buffered batches are encoded as
-plain lists (JSON- and pickle-safe); at most ``depth`` of them.
+``state = {"source": <ZephonSource state>, "buffered": [{"lane": int, "batch": <encode_batch>}, ...]}``
+
+The state is the same whatever ``depth`` is (``depth`` is a performance knob,
+not part of the stream): resuming restores the source and delivers the
+buffered batches first, so a state taken after the consumer saw ``k`` batches
+resumes at batch ``k + 1``. The source's state is asked for only when the
+node's state is (never per batch: ``pipeline.checkpoint()`` is a cross-rank
+collective; torchdata's ``Prefetcher`` would call it for every item).
+Buffered batches are plain lists (JSON- and pickle-safe); at most ``depth`` of
+them per rank.
 """
 
 from __future__ import annotations
@@ -72,6 +84,28 @@ def decode_batch(encoded: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def lane_of(batch: Any) -> int:
+    """The Zephon lane a ``SampleBatch`` was drawn from (Zephon batches within one lane).
+
+    Raises:
+        TypeError: ``batch`` carries no ``lane_ids`` (not a Zephon ``SampleBatch``).
+        ValueError: Its rows come from several lanes (no single rank owns it after a topology change).
+    """
+    lanes = getattr(batch, "lane_ids", None)
+    if not lanes:
+        raise TypeError(
+            f"read-ahead: got {type(batch).__name__} without lane_ids; expected a zephon SampleBatch "
+            "(the source must be a ZephonSource over pack_flat(...).batch(B))"
+        )
+    distinct = set(lanes)
+    if len(distinct) != 1:
+        raise ValueError(
+            f"read-ahead: a batch mixes Zephon lanes {sorted(distinct)}; expected one lane per batch "
+            "(batch after the lane split, as build_pipeline does)"
+        )
+    return int(lanes[0])
+
+
 class _End:
     """Marks the end of the source in the buffer."""
 
@@ -82,41 +116,64 @@ class _Failure:
 
 
 class _Pending:
-    """A pulled item: ``raw`` (what the state stores) and, once computed, ``ready`` (what is yielded)."""
+    """A pulled batch: its ``lane``, ``raw`` (collated, what the state stores) and, once computed, ``ready``."""
 
-    __slots__ = ("raw", "ready", "done")
+    __slots__ = ("lane", "raw", "ready", "done")
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, lane: int, raw: Any) -> None:
+        self.lane = lane
         self.raw = raw
         self.ready: Any = None
         self.done = False
 
 
 class ReadAhead(BaseNode):
-    """Pull up to ``depth`` items from ``source`` ahead of the consumer, in one thread.
+    """Deliver a Zephon source's batches collated and finalized, up to ``depth`` ahead of the consumer.
 
     Args:
-        source: A node yielding mappings of tensors (collated batches).
-        depth: Items kept ready (>= 1).
-        transform: Pure function applied to each item in the background thread
-            (the final map); the state stores items *before* it, so it is
-            re-applied to restored items.
+        source: A node yielding Zephon ``SampleBatch`` es, one lane each
+            (:class:`~zephon_loader.source.ZephonSource`).
+        depth: Batches prepared ahead in one background thread (``>= 1``), or
+            ``0``: pull, collate and transform inline in the consumer's thread.
+        collate: ``SampleBatch -> mapping of tensors`` (what the state stores);
+            ``None`` keeps the ``SampleBatch`` (then the state cannot encode it).
+        transform: Pure function of a collated batch (the final map, pinning),
+            given a shallow copy of it; re-applied to restored batches.
 
-    The source is only ever touched by the background thread, or by
-    :meth:`get_state` while that thread is parked, so it needs no locking of
-    its own. Exceptions from the source re-raise in the consumer, in order.
+    State (:meth:`get_state` / :meth:`reset`): ``{"source": <source state>,
+    "buffered": [{"lane": int, "batch": <encode_batch>}, ...]}`` in delivery
+    order, the same for every ``depth``. ``reset(state)`` delivers every
+    buffered batch it is given before the source's next one; the caller picks
+    the lanes it owns (:class:`~zephon_loader.loader.ZephonLoader` does).
+
+    Threads: the source is touched only under one lock, by the background
+    thread (pull + collate + transform + buffer, as one step) or by the
+    consumer (``depth=0``), and by :meth:`get_state`, which therefore sees
+    every pulled batch either in the source's state or in the buffer, never
+    in between; it is safe from any thread. One consumer at a time.
+    Exceptions from the source, collate or transform re-raise in the
+    consumer, in order.
     """
 
     SOURCE_KEY = "source"
     BUFFERED_KEY = "buffered"
-    EXHAUSTED_KEY = "exhausted"
+    LANE_KEY = "lane"
+    BATCH_KEY = "batch"
 
-    def __init__(self, source: BaseNode, depth: int, transform: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        source: BaseNode,
+        depth: int,
+        transform: Callable[[Any], Any] | None = None,
+        *,
+        collate: Callable[[Any], Any] | None = None,
+    ) -> None:
         super().__init__()
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"read_ahead depth: got {depth!r}, expected an int >= 1")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"read_ahead depth: got {depth!r}, expected an int >= 0 (0 = inline)")
         self.source = source
         self.depth = depth
+        self.collate = collate
         self.transform = transform
         self._buffer: deque[Any] = deque()
         self._space = threading.Condition()
@@ -124,33 +181,56 @@ class ReadAhead(BaseNode):
         self._thread: threading.Thread | None = None
         self._stop = False
 
+    @property
+    def buffered(self) -> int:
+        """Batches pulled from the source and not yet delivered (restored ones included)."""
+        with self._space:
+            return sum(isinstance(item, _Pending) for item in self._buffer)
+
+    def in_reader_thread(self) -> bool:
+        """Whether the caller runs in this node's background thread (it must not join itself)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     # -- lifecycle --------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
         self._shutdown()
-        self._buffer = deque()
-        ended = False
-        if initial_state is None:
-            self.source.reset(None)
-        else:
-            for key in (self.SOURCE_KEY, self.BUFFERED_KEY):
-                if key not in initial_state:
-                    raise ValueError(
-                        f"read-ahead state: missing {key!r} (keys seen: {sorted(initial_state)}); "
-                        "expected a state_dict() of this loader"
-                    )
-            self.source.reset(initial_state[self.SOURCE_KEY])
-            self._buffer.extend(_Pending(decode_batch(item)) for item in initial_state[self.BUFFERED_KEY])
-            ended = bool(initial_state.get(self.EXHAUSTED_KEY, False))
-            if ended:
-                self._buffer.append(_End())
-        self._stop = False
-        if not ended:
+        restored: list[_Pending] = []
+        source_state = None
+        if initial_state is not None:
+            source_state, restored = self._parse_state(initial_state)
+        with self._source_lock:
+            self.source.reset(source_state)
+            with self._space:
+                self._buffer = deque(restored)
+                self._stop = False
+        if self.depth:
             self._thread = threading.Thread(target=self._fill, name="zephon-loader-read-ahead", daemon=True)
             self._thread.start()
 
+    def _parse_state(self, state: Mapping[str, Any]) -> tuple[Any, list[_Pending]]:
+        for key in (self.SOURCE_KEY, self.BUFFERED_KEY):
+            if key not in state:
+                raise ValueError(
+                    f"read-ahead state: missing {key!r} (keys seen: {sorted(map(str, state))}); "
+                    "expected ReadAhead.get_state() output"
+                )
+        restored = []
+        for index, entry in enumerate(state[self.BUFFERED_KEY]):
+            where = f"read-ahead state: buffered[{index}]"
+            if not isinstance(entry, Mapping) or set(entry) != {self.LANE_KEY, self.BATCH_KEY}:
+                raise ValueError(f"{where}: got {entry!r:.120}, expected {{'lane': int, 'batch': <encoded batch>}}")
+            lane = entry[self.LANE_KEY]
+            if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
+                raise ValueError(f"{where}.lane: got {lane!r}, expected a Zephon lane id (int >= 0)")
+            batch = entry[self.BATCH_KEY]
+            if not isinstance(batch, Mapping):
+                raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
+            restored.append(_Pending(lane, decode_batch(batch)))
+        return state[self.SOURCE_KEY], restored
+
     def close(self) -> None:
-        """Stop the background thread (the source is left to its owner)."""
+        """Stop the background thread (the source is left to its owner). Idempotent."""
         self._shutdown()
 
     def _shutdown(self) -> None:
@@ -160,10 +240,27 @@ class ReadAhead(BaseNode):
         with self._space:
             self._stop = True
             self._space.notify_all()
-        thread.join()
+        if thread is not threading.current_thread():
+            thread.join()
         self._thread = None
 
-    # -- background thread ------------------------------------------------------------
+    # -- producing (background thread, or the consumer when depth == 0) -----------------
+    def _pull(self) -> _Pending | _End | _Failure:
+        """Next batch from the source, collated and transformed. Call with the source lock held."""
+        try:
+            raw = next(self.source)
+        except StopIteration:
+            return _End()
+        except BaseException as error:  # re-raised in the consumer
+            return _Failure(error)
+        try:
+            item = _Pending(lane_of(raw), self.collate(raw) if self.collate is not None else raw)
+        except BaseException as error:
+            return _Failure(error)
+        if self.depth:
+            self._prepare(item)
+        return item
+
     def _fill(self) -> None:
         while True:
             with self._space:
@@ -172,18 +269,11 @@ class ReadAhead(BaseNode):
                 if self._stop:
                     return
             # Pull, transform and buffer under the source lock: get_state() then
-            # never sees an item that is neither in the source's state nor buffered.
+            # never sees a batch that is neither in the source's state nor buffered.
             with self._source_lock:
                 if self._stop:
                     return
-                try:
-                    item: Any = _Pending(next(self.source))
-                except StopIteration:
-                    item = _End()
-                except BaseException as error:  # re-raised in the consumer
-                    item = _Failure(error)
-                if isinstance(item, _Pending):
-                    self._prepare(item)
+                item = self._pull()
                 with self._space:
                     self._buffer.append(item)
                     self._space.notify_all()
@@ -191,28 +281,20 @@ class ReadAhead(BaseNode):
                 return
 
     def _prepare(self, item: _Pending) -> None:
-        """Apply the transform once (restored items are prepared by the consumer)."""
+        """Apply the transform once, to a shallow copy (the state keeps ``raw`` as collated)."""
         if item.done:
             return
         try:
-            item.ready = self.transform(item.raw) if self.transform is not None else item.raw
+            item.ready = self.transform(dict(item.raw)) if self.transform is not None else item.raw
         except BaseException as error:  # re-raised in the consumer, in order
             item.ready = _Failure(error)
         item.done = True
 
     # -- consumer side ----------------------------------------------------------------
     def next(self) -> Any:
-        with self._space:
-            while not self._buffer:
-                if self._thread is None or not self._thread.is_alive():
-                    if not self._buffer:
-                        raise StopIteration
-                self._space.wait(timeout=0.1)
-            item = self._buffer[0]
-            if isinstance(item, _End):
-                raise StopIteration  # stays buffered: the node is exhausted until reset
-            self._buffer.popleft()
-            self._space.notify_all()
+        item = self._take()
+        if isinstance(item, _End):
+            raise StopIteration
         if isinstance(item, _Failure):
             raise item.error
         self._prepare(item)
@@ -220,15 +302,33 @@ class ReadAhead(BaseNode):
             raise item.ready.error
         return item.ready
 
+    def _take(self) -> Any:
+        with self._space:
+            if not self.depth:
+                if self._buffer:  # restored batches come before the source's next one
+                    return self._buffer.popleft()
+            else:
+                while not self._buffer:
+                    if self._thread is None or not self._thread.is_alive():
+                        return _End()  # stopped (close) or ended without a marker
+                    self._space.wait(timeout=0.1)
+                item = self._buffer[0]
+                if isinstance(item, _End):
+                    return item  # stays buffered: the node is exhausted until reset
+                self._buffer.popleft()
+                self._space.notify_all()
+                return item
+        with self._source_lock:  # depth 0: the consumer pulls
+            return self._pull()
+
     def get_state(self) -> dict[str, Any]:
-        # Holding the source lock parks the thread between pulls, so the source's
+        # Holding the source lock parks the producer between pulls, so the source's
         # state and the buffer describe the same instant.
         with self._source_lock:
             with self._space:
-                pending = [item.raw for item in self._buffer if isinstance(item, _Pending)]
-                exhausted = any(isinstance(item, _End) for item in self._buffer)
-            return {
-                self.SOURCE_KEY: self.source.state_dict(),
-                self.BUFFERED_KEY: [encode_batch(item) for item in pending],
-                self.EXHAUSTED_KEY: exhausted,
-            }
+                pending = [(item.lane, item.raw) for item in self._buffer if isinstance(item, _Pending)]
+            source_state = self.source.state_dict()
+        return {
+            self.SOURCE_KEY: source_state,
+            self.BUFFERED_KEY: [{self.LANE_KEY: lane, self.BATCH_KEY: encode_batch(raw)} for lane, raw in pending],
+        }

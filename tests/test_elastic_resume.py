@@ -1,0 +1,167 @@
+"""Elastic resume with read-ahead (issue 9, part 3): a state taken at N DP ranks resumes at M ranks exactly.
+
+Zephon counts a batch as delivered once read-ahead has pulled it, so the
+batches each old rank had pulled but not delivered must reach whichever new
+rank owns their lane. Two phases of spawned rank processes (like
+``test_distributed.py``), each running ``read_ahead`` 0 and 2 in turn:
+
+1. uninterrupted runs: 2 ranks and 1 rank (``canonical_replicas: 2``); each
+   takes ``state_dict()`` after ``TAKEN`` batches (read-ahead buffer full) and
+   keeps going to the end of the pass;
+2. resumes: 2 -> 1 (one rank loads old rank 0's state) and 1 -> 2 (both new
+   ranks load the single old rank's state).
+
+The multiset of rows after the state must equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+READ_AHEADS = (0, 2)
+LANES = 2
+TAKEN = 3
+
+
+def _config(sources, tokenizer_dir: str, read_ahead: int, aggregate_dir: str, run_id: str) -> dict:
+    return {
+        "sources": sources,
+        "tokenizer": {"path": tokenizer_dir},
+        "sequence_length": 48,
+        "micro_batch_size": 3,
+        "seed": 7,
+        "read_ahead": read_ahead,
+        "runtime": {"runner": "threads"},
+        "distributed": {"canonical_replicas": LANES, "aggregate_dir": aggregate_dir, "run_id": run_id},
+    }
+
+
+def _rows(batch) -> list[list[int]]:
+    return batch["input_ids"].tolist()
+
+
+def _rank(task: dict) -> None:
+    """One rank of one phase; writes ``{read_ahead: {...}}`` as JSON to ``task['out']``."""
+    out = Path(task["out"])
+    try:
+        from zephon_loader.builders import build_text_loader
+
+        results = {}
+        for read_ahead in READ_AHEADS:
+            cfg = _config(task["sources"], task["tokenizer"], read_ahead, task["aggregate"],
+                          f"{task['run']}-ra{read_ahead}")
+            with build_text_loader(cfg, dp_rank=task["rank"], dp_world_size=task["world"]) as loader:
+                if task["state"] is None:  # uninterrupted run, state taken after TAKEN batches
+                    it = iter(loader)
+                    head = [row for _ in range(TAKEN) for row in _rows(next(it))]
+                    deadline = time.monotonic() + 60
+                    while loader._read_ahead.buffered < read_ahead and time.monotonic() < deadline:
+                        time.sleep(0.01)  # let read-ahead pull its full depth: the case that lost rows
+                    state = loader.state_dict()
+                    rest = [row for batch in it for row in _rows(batch)]
+                    results[read_ahead] = {"head": head, "state": state, "rest": rest}
+                else:
+                    saved = json.loads(Path(task["state"]).read_text())[str(read_ahead)]["state"]
+                    loader.load_state_dict(saved)
+                    results[read_ahead] = {"rest": [row for batch in loader for row in _rows(batch)]}
+        out.write_text(json.dumps(results))
+    except BaseException:
+        out.with_suffix(".error").write_text(traceback.format_exc())
+        raise
+
+
+def _run(tasks: list[dict]) -> list[dict]:
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_rank, args=(task,)) for task in tasks]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(240)
+    for task, process in zip(tasks, processes):
+        if process.is_alive():
+            process.kill()
+            pytest.fail(f"{task['out']} hung")
+        error = Path(task["out"]).with_suffix(".error")
+        assert process.exitcode == 0, error.read_text() if error.exists() else f"{task['out']}: exit {process.exitcode}"
+    return [{int(k): v for k, v in json.loads(Path(task["out"]).read_text()).items()} for task in tasks]
+
+
+@pytest.fixture(scope="module")
+def sources(jsonl_sources):
+    return [{"name": name, "path": str(path), "weight": 1.0} for name, path in sorted(jsonl_sources.items())]
+
+
+def test_state_resumes_at_another_dp_size_with_nothing_lost_or_repeated(tmp_path, sources, tokenizer_dir):
+    aggregate = tmp_path / "aggregate"
+    aggregate.mkdir()
+    common = {"sources": sources, "tokenizer": str(tokenizer_dir), "aggregate": str(aggregate)}
+
+    def task(name: str, run: str, rank: int, world: int, state: Path | None = None) -> dict:
+        return {**common, "out": str(tmp_path / f"{name}.json"), "run": run, "rank": rank, "world": world,
+                "state": None if state is None else str(state)}
+
+    two_0, two_1, one = _run([
+        task("two-rank0", "two", 0, 2), task("two-rank1", "two", 1, 2), task("one", "one", 0, 1),
+    ])
+    to_one, to_two_0, to_two_1 = _run([
+        task("2to1", "to-one", 0, 1, tmp_path / "two-rank0.json"),
+        task("1to2-rank0", "to-two", 0, 2, tmp_path / "one.json"),
+        task("1to2-rank1", "to-two", 1, 2, tmp_path / "one.json"),
+    ])
+
+    for read_ahead in READ_AHEADS:
+        for run in (two_0, two_1, one):
+            assert run[read_ahead]["rest"], "nothing left after the state: the test would prove nothing"
+            buffered = run[read_ahead]["state"]["buffered"]
+            if read_ahead:  # every rank's state carries every rank's pulled-ahead batches, tagged by lane
+                assert {entry["lane"] for entry in buffered} == set(range(LANES)), read_ahead
+            else:
+                assert buffered == []
+        # 2 -> 1: the single new rank owns both lanes; it reads old rank 0's state only.
+        expected = Counter(map(tuple, two_0[read_ahead]["rest"] + two_1[read_ahead]["rest"]))
+        got = Counter(map(tuple, to_one[read_ahead]["rest"]))
+        assert got == expected, (
+            f"read_ahead={read_ahead}, 2 -> 1: {sum((expected - got).values())} rows lost, "
+            f"{sum((got - expected).values())} rows extra"
+        )
+        # 1 -> 2: both new ranks read the single old rank's state; each delivers its own lane.
+        expected = Counter(map(tuple, one[read_ahead]["rest"]))
+        got = Counter(map(tuple, to_two_0[read_ahead]["rest"] + to_two_1[read_ahead]["rest"]))
+        assert got == expected, (
+            f"read_ahead={read_ahead}, 1 -> 2: {sum((expected - got).values())} rows lost, "
+            f"{sum((got - expected).values())} rows extra"
+        )
+        assert to_two_0[read_ahead]["rest"] and to_two_1[read_ahead]["rest"], "a new rank got no lane"
+
+
+@pytest.mark.parametrize(
+    ("dp", "lanes", "strategy"),
+    [(1, 1, None), (1, 2, None), (2, 2, None), (2, 4, "contiguous"), (2, 4, "interleaved"), (4, 8, "interleaved"),
+     (2, 3, None), (3, 8, "interleaved")],
+)
+def test_lane_ownership_matches_zephons_own_mapping(dp, lanes, strategy):
+    """``handoff.lane_mapping`` decides which buffered batches a resumed rank delivers: it must be Zephon's."""
+    import warnings
+
+    from zephon._internal.engine import Engine
+    from zephon.options import RuntimeOptions
+
+    from zephon_loader.handoff import lane_mapping
+
+    for group in range(dp):
+        options = RuntimeOptions(world_size=dp, global_rank=group, dp_degree=dp, dp_group_id=group,
+                                 canonical_replicas=lanes, mapping_strategy=strategy)
+        engine = Engine.__new__(Engine)  # only its world builder: no plan, no workers
+        engine._opts = dataclasses.replace(options)  # Zephon fills defaults in place
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # uneven lanes per group
+            world = engine._build_world()
+        assert lane_mapping(options) == {g: tuple(ls) for g, ls in world.lanes_for_dp_group.items()}

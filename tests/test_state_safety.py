@@ -1,0 +1,286 @@
+"""State and lifecycle safety of ZephonLoader (issue 9, parts 3 and 4).
+
+* A state does not depend on ``read_ahead`` (a performance knob): saved with
+  one depth, it resumes exactly with another.
+* Retired, malformed and other-lane-count states are refused at
+  ``load_state_dict`` with a ``ValueError`` naming the field.
+* ``state_dict()`` from another thread, concurrent with ``next()`` or racing
+  ``iter()``: never an error, always a state that resumes exactly.
+* A new ``iter()`` makes the previous iterator stale (``RuntimeError``).
+* A loader dropped without ``close()`` releases its threads, Zephon's workers
+  and its temporary folders.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+import os
+import tempfile
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from conftest import collect
+from zephon_loader import fields as F
+from zephon_loader.builders import build_text_loader
+
+
+@pytest.fixture(scope="module")
+def sources(jsonl_sources):
+    return [{"name": name, "path": str(path), "weight": 1.0 + i} for i, (name, path) in enumerate(sorted(jsonl_sources.items()))]
+
+
+def config(sources, tokenizer_dir, read_ahead, **overrides):
+    base = {
+        "sources": sources,
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "sequence_length": 48,
+        "micro_batch_size": 3,
+        "seed": 7,
+        "read_ahead": read_ahead,
+        "contract": {"attn_implementation": "fa4"},
+        "runtime": {"runner": "threads"},
+    }
+    base.update(overrides)
+    return base
+
+
+def input_ids(batches) -> list[torch.Tensor]:
+    return [batch[F.INPUT_IDS] for batch in batches]
+
+
+def wait_for_read_ahead(loader, depth: int) -> None:
+    """Let the background thread pull its full depth: the state then carries ``depth`` batches."""
+    deadline = time.monotonic() + 30
+    while loader._read_ahead.buffered < depth and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def resume_index(cfg, state, full) -> int:
+    """Where a loader resumed from ``state`` starts in ``full``; asserts it then yields exactly ``full[index:]``."""
+    with build_text_loader(cfg) as loader:
+        loader.load_state_dict(json.loads(json.dumps(state)))
+        rest = input_ids(collect(loader))
+    index = len(full) - len(rest)
+    assert 0 <= index <= len(full)
+    assert all(torch.equal(got, want) for got, want in zip(rest, full[index:])), f"resumed stream diverges at {index}"
+    return index
+
+
+# ----------------------------------------------------------------------------- read_ahead-independent state
+
+
+@pytest.mark.parametrize(("saved_with", "resumed_with"), [(0, 2), (2, 5), (2, 0), (5, 0)])
+def test_state_saved_with_another_read_ahead_resumes_exactly(sources, tokenizer_dir, saved_with, resumed_with):
+    with build_text_loader(config(sources, tokenizer_dir, resumed_with)) as loader:
+        full = input_ids(collect(loader))
+    assert len(full) > 6
+    for taken in (0, 3, len(full)):
+        with build_text_loader(config(sources, tokenizer_dir, saved_with)) as first:
+            it = iter(first)
+            for _ in range(taken):
+                next(it)
+            wait_for_read_ahead(first, saved_with if taken < len(full) - saved_with else 0)
+            state = first.state_dict()
+        assert len(state["buffered"]) <= saved_with
+        assert resume_index(config(sources, tokenizer_dir, resumed_with), state, full) == taken
+
+
+def test_retired_malformed_and_other_lane_count_states_are_refused(sources, tokenizer_dir):
+    cfg = config(sources, tokenizer_dir, 2, distributed={"canonical_replicas": 2})
+    with build_text_loader(cfg) as loader:
+        it = iter(loader)
+        next(it)
+        wait_for_read_ahead(loader, 2)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert {entry["lane"] for entry in state["buffered"]} == {0, 1}, "one rank owning two lanes buffers both"
+
+    def refused(change, match):
+        bad = json.loads(json.dumps(state))
+        change(bad)
+        with build_text_loader(cfg) as fresh:
+            with pytest.raises(ValueError, match=match):
+                fresh.load_state_dict(bad)
+
+    refused(lambda s: s.update(format="zephon_loader.state/1", loader={"root": {}}),
+            r"state_dict\.format: got 'zephon_loader\.state/1'.*earlier zephon_loader.*depended on read_ahead")
+    refused(lambda s: s.update(buffered={"0": []}), r"state_dict\.buffered: got dict, expected the list")
+    refused(lambda s: s["buffered"][0].update(lane=7), r"state_dict\.buffered\[0\]\.lane: got 7, expected a lane id in \[0, 2\)")
+    refused(lambda s: s["buffered"][1].update(batch=[1]), r"state_dict\.buffered\[1\]\.batch: got list")
+    refused(lambda s: s["buffered"][0]["batch"][F.INPUT_IDS].update(__tensor__="int65"),
+            r"state_dict\.buffered\[0\]\.batch: .*'input_ids' has unknown dtype 'int65'")
+    # The fingerprint names canonical_replicas too; the Zephon checkpoint itself is checked as well.
+    with build_text_loader(config(sources, tokenizer_dir, 2)) as one_lane:
+        other = json.loads(json.dumps(state))
+        other["fingerprint"] = json.loads(json.dumps(one_lane.fingerprint))
+        with pytest.raises(ValueError, match=r"zephon_checkpoint\.world\.canonical_replicas: saved 2, now 1"):
+            one_lane.load_state_dict(other)
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_state_dict_from_another_thread_during_next_resumes_exactly(sources, tokenizer_dir, read_ahead):
+    """Free-running consumer thread; states taken meanwhile from this thread. A state taken while
+    ``k`` batches were consumed (one ``next()`` possibly in flight) resumes at batch ``k`` or ``k + 1``."""
+    cfg = config(sources, tokenizer_dir, read_ahead)
+    with build_text_loader(cfg) as loader:
+        full = input_ids(collect(loader))
+    consumed: list[torch.Tensor] = []
+    states = []
+    with build_text_loader(cfg) as loader:
+        it = iter(loader)
+
+        def consume():
+            for batch in it:
+                consumed.append(batch[F.INPUT_IDS])
+                time.sleep(0.002)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        while consumer.is_alive() and len(states) < 5:
+            before = len(consumed)
+            state = loader.state_dict()
+            states.append((before, len(consumed), state))
+            time.sleep(0.01)
+        consumer.join()
+    assert all(torch.equal(got, want) for got, want in zip(consumed, full)) and len(consumed) == len(full)
+    for before, after, state in states:
+        index = resume_index(cfg, state, full)
+        assert before <= index <= after + 1, (before, after, index)
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_state_dict_racing_iter_never_fails_and_stays_exact(sources, tokenizer_dir, read_ahead):
+    cfg = config(sources, tokenizer_dir, read_ahead)
+    with build_text_loader(cfg) as loader:
+        full = input_ids(collect(loader))
+    errors: list[str] = []
+    taken = []
+    with build_text_loader(cfg) as loader:
+        stop = threading.Event()
+
+        def take_states():
+            while not stop.is_set():
+                try:
+                    taken.append(loader.state_dict())
+                except Exception as error:  # before issue 9: AttributeError / "cannot join thread"
+                    errors.append(f"{type(error).__name__}: {error}")
+
+        taker = threading.Thread(target=take_states)
+        taker.start()
+        try:
+            for _ in range(15):
+                it = iter(loader)
+                next(it)
+                next(it)
+        finally:
+            stop.set()
+            taker.join()
+        assert errors == []
+        assert taken
+        final = loader.state_dict()
+    assert resume_index(cfg, final, full) == 2
+    assert resume_index(cfg, taken[len(taken) // 2], full) in (0, 1, 2)
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_a_new_iter_makes_the_previous_iterator_stale(sources, tokenizer_dir, read_ahead):
+    with build_text_loader(config(sources, tokenizer_dir, read_ahead)) as loader:
+        first = iter(loader)
+        a = next(first)
+        second = iter(loader)
+        b = next(second)
+        with pytest.raises(RuntimeError, match=r"stale.*iter\(loader\)"):
+            next(first)
+        c = next(second)  # the failed advance did not move the new pass
+        assert torch.equal(a[F.INPUT_IDS], b[F.INPUT_IDS])
+        assert not torch.equal(b[F.INPUT_IDS], c[F.INPUT_IDS])
+        loader.preview()
+        with pytest.raises(RuntimeError, match="stale"):
+            next(second)
+        assert torch.equal(next(iter(loader))[F.INPUT_IDS], a[F.INPUT_IDS])
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def _child_processes() -> int:
+    me = str(os.getpid())
+    count = 0
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        count += fields[1] == me
+    return count
+
+
+def test_dropped_loaders_release_threads_workers_and_temporary_folders(sources, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the builder's folders land here
+    cfg = config(sources, None, 2, tokenizer={})  # the recipe's tokenizer object: the builder saves a folder
+
+    def drop_one():
+        loader = build_text_loader(cfg, tokenizer=tokenizer)
+        it = iter(loader)
+        next(it)
+        next(it)
+        del it, loader  # no close()
+        gc.collect()
+
+    drop_one()
+    threads, children, folders = threading.active_count(), _child_processes(), sorted(os.listdir(tmp_path))
+    for _ in range(10):
+        drop_one()
+    leaked = [t.name for t in threading.enumerate() if t.name.startswith("zephon")]
+    assert threading.active_count() <= threads, f"threads grew from {threads}: {leaked}"
+    assert _child_processes() <= children
+    assert sorted(os.listdir(tmp_path)) == folders, "temporary folders grew"
+    assert [name for name in folders if name.startswith("zephon_loader_")] == [], "the builder's folders stayed"
+
+
+def test_release_from_the_read_ahead_thread_itself(sources, tokenizer_dir):
+    """Garbage collection may run the finalizer inside the read-ahead thread: it must neither join
+    itself nor leave anything running."""
+    before = threading.active_count()
+    closed = []
+    loader_box = []
+
+    def wrapper(base):
+        def wrapped(examples):
+            if loader_box:  # the second transform, in the read-ahead thread: finalize from there
+                loader_box.pop()._finalizer()
+            return base(examples)
+
+        return wrapped
+
+    from zephon_loader.loader import _release
+
+    loader = build_text_loader(config(sources, tokenizer_dir, 2), collate_wrapper=wrapper)
+    _, _, (read_ahead, source, handoff, on_close), _ = loader._finalizer.detach()
+
+    def observed_on_close():
+        if on_close is not None:
+            on_close()  # the builder's own (temporary folders)
+        closed.append(threading.current_thread().name)
+
+    loader._finalizer = weakref.finalize(loader, _release, read_ahead, source, handoff, observed_on_close)
+    it = iter(loader)
+    next(it)
+    loader_box.append(loader)
+    next(it)  # frees a slot: the read-ahead thread pulls and transforms the next batch
+    deadline = time.monotonic() + 30
+    while (not closed or threading.active_count() > before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == ["zephon-loader-release"]  # moved off the read-ahead thread
+    assert threading.active_count() <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
