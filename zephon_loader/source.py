@@ -22,8 +22,10 @@ multi-rank job. Zephon already prefetches internally (``prefetch_batches``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +42,10 @@ __all__ = [
     "PACKING_ALGORITHMS",
     "SourceSpec",
     "ZephonKeys",
-    "KeepTokenFields",
     "ZephonSource",
     "build_pipeline",
     "choose_chunk_size",
+    "pad_token_id_of",
 ]
 
 #: Zephon's own default ``StaticMixtureWorkSource(chunk_size=...)``; the upper bound we pick from.
@@ -195,41 +197,31 @@ def _liveness_required(share: float, chunk_size: int) -> int:
     return min(math.ceil(quota) + 1, chunk_size)
 
 
-def _normalized(weights: Sequence[float]) -> list[float]:
-    total = 0.0
-    for w in weights:
-        total += float(w)
-    return [float(w) / total for w in weights]
-
-
 #: With ``chunk_size=None`` and several DP lanes, the chunk size leaves at least this many chunks per lane.
 CHUNKS_PER_LANE = 8
+#: Zephon 0.2.0 flushes its packing (and batching) state every this many chunks per lane by default
+#: (``RuntimeOptions.flush_every_k_chunks``); each flush pads out the open rows.
+ZEPHON_FLUSH_EVERY_K_CHUNKS = 8
+#: Most chunks between flushes we ask for: every chunk between two flushes is kept in flight,
+#: saved in the checkpoint (about 170 bytes each: 1.4 MB and ~0.1 s per state at chunk size 1,
+#: like Zephon's default 8 chunks of 16384 records) and replayed on restore.
+MAX_FLUSH_EVERY_K_CHUNKS = 8192
 
 
-def choose_chunk_size(
-    counts: Sequence[int], weights: Sequence[float], *, upper: int = DEFAULT_CHUNK_SIZE
-) -> int:
-    """Largest ``chunk_size <= upper`` that every dataset can serve.
+def _largest_servable_chunk_size(counts: Sequence[int], shares: Sequence[float], upper: int) -> int:
+    """Largest ``chunk_size <= upper`` Zephon's repeat-liveness check accepts; 0 when a dataset is empty.
 
     With Zephon's default (repeat-until-one-pass) policy a dataset with
     normalized weight ``w`` must hold at least ``w * chunk_size`` samples
-    (``ceil(.) + 1`` when fractional). Returns 0 when no chunk size works,
-    i.e. some dataset is empty.
-
-    Args:
-        counts: Sample count of each dataset.
-        weights: Its mixture weight (any positive scale).
-        upper: Largest chunk size to consider.
+    (``ceil(.) + 1`` when fractional).
     """
-    shares = _normalized(weights)
 
     def fits(chunk: int) -> bool:
         return all(n >= _liveness_required(s, chunk) for n, s in zip(counts, shares, strict=True))
 
-    lo, hi = 0, int(upper)  # fits(lo) is the invariant (0 = none)
     if not fits(1):
         return 0
-    lo = 1
+    lo, hi = 1, int(upper)  # fits(lo) is the invariant
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):
@@ -237,6 +229,93 @@ def choose_chunk_size(
         else:
             hi = mid - 1
     return lo
+
+
+def _whole_passes(counts: Sequence[int], shares: Sequence[float], chunk: int) -> bool:
+    """Whether Zephon reads every pass of every dataset whole with this chunk size (see :func:`_split_pass`)."""
+    if chunk == 1:
+        return True
+    total = 0
+    for count, share in zip(counts, shares, strict=True):
+        quota = share * chunk
+        if not quota.is_integer() or quota < 1 or count % int(quota):
+            return False
+        total += int(quota)
+    return total == chunk
+
+
+def _split_pass(counts: Sequence[int], shares: Sequence[float], chunk: int) -> tuple[int, str] | None:
+    """Why ``chunk`` can end some dataset's pass inside a chunk: ``(dataset index, reason)``, or None.
+
+    Zephon 0.2.0's ``StaticMixtureWorkSource`` draws an integer quota per
+    dataset and chunk (``AccumulatorStrategy``: ``share * chunk_size`` plus a
+    carried fraction, corrected so the quotas sum to ``chunk_size``). When a
+    dataset's cursor holds fewer records than its quota, ``compute_quotas``
+    calls ``cursor.reset()``: the next pass starts and the records left in
+    the current one are never drawn. A pass is whole only if the cursor is
+    empty whenever it turns over, which holds when
+
+    * ``chunk == 1``: every quota is 0 or 1, so a cursor turns over only
+      when empty; or
+    * every ``share * chunk`` (in Zephon's float arithmetic) is a whole
+      number ``q`` and the quotas sum to ``chunk``: every chunk then draws
+      exactly ``q`` records of the dataset, and ``q`` divides its count.
+
+    Other sizes draw varying quotas; they are not accepted.
+    """
+    if _whole_passes(counts, shares, chunk):
+        return None
+    quotas = [share * chunk for share in shares]
+    for index, quota in enumerate(quotas):
+        if not quota.is_integer() or quota < 1:
+            return index, (f"it draws {quota:.4g} records per chunk on average, not a whole number, so its "
+                           "per-chunk draws vary and a pass can end inside a chunk")
+    if sum(int(q) for q in quotas) != chunk:
+        return 0, f"the per-source draws {[int(q) for q in quotas]} do not sum to chunk_size={chunk}"
+    index, count, quota = next(
+        (i, n, int(q)) for i, (n, q) in enumerate(zip(counts, quotas, strict=True)) if n % int(q))
+    return index, (f"it draws {quota} records per chunk, so the last {count % quota} of its "
+                   f"{count} records would be skipped in every pass")
+
+
+def _shares(weights: Sequence[float]) -> list[float]:
+    """Normalized weights as Zephon computes them (the quotas depend on the exact floats)."""
+    import zephon
+
+    normalized = zephon.MixtureSpec({str(i): float(w) for i, w in enumerate(weights)}).normalized
+    return [normalized[str(i)] for i in range(len(weights))]
+
+
+def choose_chunk_size(
+    counts: Sequence[int], weights: Sequence[float], *, upper: int = DEFAULT_CHUNK_SIZE
+) -> int:
+    """Largest ``chunk_size <= upper`` with which every pass of every dataset is delivered whole.
+
+    Zephon 0.2.0 skips the records a dataset has left in its pass when a
+    chunk's quota for it does not fit (see :func:`_split_pass`). With the
+    sizes returned here that never happens: every chunk draws exactly
+    ``share * chunk_size`` records of each dataset and that number divides
+    the dataset's record count, or ``chunk_size`` is 1 (always whole; one
+    chunk per record costs Zephon tens of microseconds of bookkeeping per
+    record). Zephon's repeat-liveness check accepts every size returned.
+
+    Args:
+        counts: Sample count of each dataset.
+        weights: Its mixture weight (any positive scale).
+        upper: Largest chunk size to consider.
+
+    Returns:
+        The chunk size, or 0 when some dataset is empty.
+    """
+    if any(int(n) <= 0 for n in counts):
+        return 0
+    shares = _shares(weights)
+    return next((chunk for chunk in range(int(upper), 1, -1) if _whole_passes(counts, shares, chunk)), 1)
+
+
+def pad_token_id_of(tokenizer: Any) -> int | None:
+    """The pad id a tokenizer implies for packing: its pad token, else its EOS; None when it has neither."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -267,14 +346,14 @@ def _check_tokenizer_dir(tokenizer: Any) -> Path:
     return path
 
 
-def _load_tokenizer(path: Path) -> Any:
-    """Load once in the driver, offline, to validate and read special-token ids."""
+def _load_tokenizer(path: Path, **options: Any) -> Any:
+    """Load in the driver, offline: to validate, read special-token ids, and hand to Zephon's ``tokenize``."""
     try:
         from transformers import AutoTokenizer
     except Exception as exc:  # pragma: no cover - optional extra
         raise ImportError("tokenizer directories need transformers: pip install 'zephon-loader[hf]'") from exc
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True, **options)
     except Exception as exc:
         raise ValueError(
             _err("tokenizer", str(path), "a directory AutoTokenizer.from_pretrained can load offline",
@@ -300,61 +379,6 @@ def _positive_int(name: str, value: Any, fix: str) -> int:
 
 
 # ----------------------------------------------------------------------------- payload filter
-
-
-class KeepTokenFields:
-    """Map-transform that keeps only what packing needs (Parquet pitfall).
-
-    ``pack_flat`` slices every payload value that has a length as if it were
-    per-token, so a string or list column either breaks packing or is sliced
-    silently. This keeps the token field (renamed to Zephon's ``input_ids``),
-    the chat loss mask and the optional eligibility field (renamed to
-    ``fields.ATTENTION_ELIGIBILITY``), checks their lengths agree and drops
-    everything else. Picklable (a plain class), so it works with process
-    runners.
-    """
-
-    def __init__(self, tokens_field: str, eligibility_field: str | None = None, loss_mask_field: str | None = None):
-        self.tokens_field = tokens_field
-        self.eligibility_field = eligibility_field
-        self.loss_mask_field = loss_mask_field
-
-    def __call__(self, payload: Any) -> dict[str, Any] | None:
-        if not isinstance(payload, Mapping):
-            raise TypeError(_err("payload", type(payload).__name__, "a dict record", "Emit dict records before packing."))
-        if self.tokens_field not in payload:
-            raise ValueError(
-                _err(f"payload[{self.tokens_field!r}]", sorted(map(str, payload)), f"a record containing {self.tokens_field!r}",
-                     "Set pretokenized_field to the column that holds the token ids.")
-            )
-        tokens = np.asarray(payload[self.tokens_field])
-        if tokens.ndim != 1 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0):
-            raise ValueError(
-                _err(f"payload[{self.tokens_field!r}]", f"array of shape {tokens.shape} dtype {tokens.dtype}",
-                     "a 1-D sequence of integer token ids", "Store one list of ints per record.")
-            )
-        if tokens.size == 0:
-            return None  # nothing to train on; Zephon drops None records
-        out: dict[str, Any] = {ZEPHON_TOKENS_KEY: tokens.astype(np.int64, copy=False)}
-        for src, dst, dtype in (
-            (self.loss_mask_field, ZEPHON_LOSS_MASK_KEY, np.uint8),
-            (self.eligibility_field, F.ATTENTION_ELIGIBILITY, np.bool_),
-        ):
-            if src is None:
-                continue
-            if src not in payload:
-                raise ValueError(
-                    _err(f"payload[{src!r}]", sorted(map(str, payload)), f"a record containing {src!r}",
-                         "Add the per-token field to every record or unset it.")
-                )
-            values = np.asarray(payload[src])
-            if values.shape != tokens.shape:
-                raise ValueError(
-                    _err(f"payload[{src!r}]", f"shape {values.shape}", f"one value per token, shape {tokens.shape}",
-                         "Make the per-token field as long as the token field.")
-                )
-            out[dst] = values.astype(dtype, copy=False)
-        return out
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -399,11 +423,15 @@ def build_pipeline(
     aggregate_store: str | None = None,
     run_id: str | None = None,
     runtime_options: Mapping[str, Any] | None = None,
+    on_bad_record: str = "error",
+    max_record_tokens: int | None = None,
+    max_record_bytes: int | None = None,
+    drop_log: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Build a ``zephon.Pipeline`` that yields packed ``SampleBatch`` es of ``B`` rows of ``L + 1`` tokens.
 
     Graph: ``StaticMixtureWorkSource -> [transform] -> tokenize | tokenize_chat |
-    (pretokenized) -> KeepTokenFields -> pack_flat(L + 1, emit_positions=True)
+    (pretokenized) -> CheckTokens -> pack_flat(L + 1, emit_positions=True)
     -> batch(B)``. Nothing starts: workers start at the first ``next()`` of
     ``iter(pipeline)``.
 
@@ -421,7 +449,8 @@ def build_pipeline(
     Args:
         sources: Mixture components (:class:`SourceSpec` or ``{name, path, weight}``).
         seq_len: Model sequence length ``L`` (> 0); rows are packed to ``L + 1``.
-        micro_batch_size: Rows per batch ``B`` (> 0); a trailing partial batch is dropped.
+        micro_batch_size: Rows per batch ``B`` (> 0). Zephon delivers the short batch
+            left at each flush and at the end of the stream; ``collate`` pads it to ``B``.
         tokenizer: Local tokenizer directory (``save_pretrained`` output). Hub ids
             are refused (they cannot resolve offline).
         text_field: Text column (text mode).
@@ -436,15 +465,19 @@ def build_pipeline(
         num_bins: Open bins for ``first_fit``/``best_fit`` (default
             :data:`DEFAULT_NUM_BINS`); must be unset for wrap algorithms.
         pad_token_id: Pad id (default: the tokenizer's pad, else its eos).
-            Required by every algorithm except uncapped ``wrap``.
+            Required: every algorithm pads the last row of each flush.
         bos_token_id: BOS override for text mode bracketing.
         eos_token_id: EOS override for text mode bracketing.
         seed: Seed of Zephon's work source.
         shuffle: Shuffle shard order and samples within shards.
         chunk_size: Work-source chunk size; ``None`` picks the largest size
-            (<= :data:`DEFAULT_CHUNK_SIZE`) every source is big enough for,
-            capped with several DP lanes so each lane gets
-            :data:`CHUNKS_PER_LANE` chunks or more.
+            (<= :data:`DEFAULT_CHUNK_SIZE`, capped with several DP lanes so each
+            lane gets :data:`CHUNKS_PER_LANE` chunks or more) with which every
+            pass of every source is read whole (:func:`choose_chunk_size`); an
+            explicit size that would skip records is refused. Zephon's flush
+            cadence (``flush_every_k_chunks``, overridable in
+            ``runtime_options``) is raised for small sizes, up to
+            :data:`MAX_FLUSH_EVERY_K_CHUNKS`.
         stop_after_passes: The stream ends once every source was read this many
             times (the smaller sources repeat meanwhile to hold the mixture).
         eligibility_field: Optional per-token bool column (pretokenized mode or
@@ -464,6 +497,14 @@ def build_pipeline(
         run_id: Run id for aggregation.
         runtime_options: Further ``zephon.options.RuntimeOptions`` fields
             (``runner``, ``max_workers``, ``prefetch_batches``, ``mtp_mode``, ...).
+        on_bad_record: ``"error"`` (stop at the first malformed record, naming its
+            source, shard file and line/row) or ``"skip"`` (leave it out, counted
+            in ``drop_log``); see :mod:`zephon_loader.records`.
+        max_record_tokens: Records with more tokens are bad records (``None``: no limit).
+        max_record_bytes: Texts (chat: all contents) larger than this many UTF-8
+            bytes are bad records, checked before tokenizing (``None``: no limit).
+        drop_log: File the record checks append drop events to (a fresh
+            temporary file when ``None``); :mod:`zephon_loader.stats` reads it.
 
     Returns:
         The configured ``zephon.Pipeline``.
@@ -473,6 +514,8 @@ def build_pipeline(
         expected and the fix; raised before any worker starts.
     """
     import zephon
+
+    from zephon_loader.records import BAD_RECORD_POLICIES, CheckRawRecords, CheckTokens, DropLog, ShardTable
 
     specs = _coerce_sources(sources)
     seq_len = _positive_int("seq_len", seq_len, "Pass the model sequence length L (rows are packed to L + 1).")
@@ -564,13 +607,14 @@ def build_pipeline(
                  "Bins only apply to first_fit/best_fit; drop num_bins.")
         )
     if pad_token_id is None and tok is not None:
-        pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pad_token_id = pad_token_id_of(tok)
     if pad_token_id is None:
-        if packing_algorithm != "wrap":
-            raise ValueError(
-                _err("pad_token_id", None, f"a pad id for packing_algorithm={packing_algorithm!r}",
-                     "Pass pad_token_id=..., or a tokenizer with a pad or eos token.")
-            )
+        # Every algorithm pads: the last row of the stream (and of each Zephon flush) and the
+        # all-padding rows that complete the last batch.
+        raise ValueError(
+            _err("pad_token_id", None, f"a pad id for packing_algorithm={packing_algorithm!r}",
+                 "Pass pad_token_id=..., or a tokenizer with a pad or eos token.")
+        )
     else:
         _check_token_id("pad_token_id", pad_token_id, vocab)
 
@@ -592,18 +636,19 @@ def build_pipeline(
                      "The shards are empty; add data or drop the source.")
             )
     weights = [float(spec.weight) for spec in specs]
-    largest = choose_chunk_size(counts, weights)
+    shares = _shares(weights)
+    largest = _largest_servable_chunk_size(counts, shares, DEFAULT_CHUNK_SIZE)
+    upper = largest
+    lanes = canonical_replicas or dp_degree or world_size
+    if isinstance(lanes, int) and lanes > 1:
+        # Zephon deals whole chunks to lanes: keep several chunks per lane, or
+        # with small sources one lane gets everything and the others nothing.
+        upper = max(1, min(largest, sum(counts) // (CHUNKS_PER_LANE * lanes)))
     if chunk_size is None:
-        chunk_size = largest
-        lanes = canonical_replicas or dp_degree or world_size
-        if isinstance(lanes, int) and lanes > 1:
-            # Zephon deals whole chunks to lanes: keep several chunks per lane, or
-            # with small sources one lane gets everything and the others nothing.
-            chunk_size = max(1, min(largest, sum(counts) // (CHUNKS_PER_LANE * lanes)))
+        chunk_size = choose_chunk_size(counts, weights, upper=upper)
     else:
         chunk_size = _positive_int("chunk_size", chunk_size, "Pass a positive chunk size or None to choose one.")
         if chunk_size > largest:
-            shares = _normalized(weights)
             short = [
                 f"{spec.name!r} has {n} records, needs {_liveness_required(s, chunk_size)}"
                 for spec, n, s in zip(specs, counts, shares, strict=True)
@@ -613,6 +658,21 @@ def build_pipeline(
                 _err("chunk_size", chunk_size, f"at most {largest} for these sources ({'; '.join(short)})",
                      "Pass chunk_size=None to choose the largest size that fits, or add data.")
             )
+        split = _split_pass(counts, shares, chunk_size)
+        if split is not None:
+            index, reason = split
+            chosen, below = (choose_chunk_size(counts, weights, upper=u) for u in (upper, chunk_size))
+            raise ValueError(
+                _err("chunk_size", chunk_size, "a size with which every pass of every source is read whole",
+                     f"With it, Zephon can skip the end of a pass of sources[{index}] ({specs[index].name!r}): "
+                     f"{reason}. Pass chunk_size=None (picks {chosen} here)"
+                     + (f" or chunk_size={below}." if below != chosen else "."))
+            )
+    # Every K chunks Zephon flushes packing and batching: the open rows are padded and a short batch
+    # is delivered (padded to B by collate). Keep the records between flushes near what its default
+    # K gives at the largest size the data allows, so small chunk sizes do not flush every few records.
+    flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS,
+                               max(ZEPHON_FLUSH_EVERY_K_CHUNKS, -(-ZEPHON_FLUSH_EVERY_K_CHUNKS * upper // chunk_size)))
     work_source = zephon.StaticMixtureWorkSource(
         datasets,
         zephon.MixtureSpec({spec.name: float(spec.weight) for spec in specs}),
@@ -642,21 +702,48 @@ def build_pipeline(
                 _err("runtime_options", clash, "no data-parallel keys", "Pass them as build_pipeline arguments instead.")
             )
         options.update(runtime_options)
+    options.setdefault("flush_every_k_chunks", flush_every_k_chunks)
+
+    # --- record checks ------------------------------------------------------------
+    if on_bad_record not in BAD_RECORD_POLICIES:
+        raise ValueError(
+            _err("on_bad_record", on_bad_record, f"one of {list(BAD_RECORD_POLICIES)}",
+                 "'error' stops at the first malformed record; 'skip' leaves such records out and counts them.")
+        )
+    for name, limit in (("max_record_tokens", max_record_tokens), ("max_record_bytes", max_record_bytes)):
+        if limit is not None:
+            _positive_int(name, limit, f"Pass a positive {name} or None for no limit.")
+    if drop_log is None:
+        fd, drop_log = tempfile.mkstemp(prefix="zephon_loader_drops_", suffix=".jsonl")
+        os.close(fd)
+    checks = {
+        "shards": ShardTable.from_folders([spec.name for spec in specs], paths),
+        "policy": on_bad_record,
+        "log": DropLog(drop_log),
+    }
 
     # --- graph ------------------------------------------------------------------------
     pipeline = zephon.Pipeline(work_source)
     if transform is not None:
         pipeline = pipeline.map_transform(transform)
     loss_mask_field = None
+    if mode in ("text", "chat"):
+        raw_check = CheckRawRecords(
+            mode=mode, field=text_field if mode == "text" else chat_field, max_record_bytes=max_record_bytes,
+            special_strings=tok.all_special_tokens if mode == "chat" else (), **checks)
+        pipeline = pipeline.add_op("zephon_loader.check_raw_records", process_many=raw_check,
+                                   validation_samples=raw_check.validation_samples, preserves_cursor_order=True)
     if mode == "text":
         kwargs: dict[str, Any] = {}
         if bos_token_id is not None:
             kwargs["bos_token_id"] = int(bos_token_id)
         if eos_token_id is not None:
             kwargs["eos_token_id"] = int(eos_token_id)
+        # Special-token strings inside documents ("<|endoftext|>", the pad token) stay ordinary text:
+        # a control id never comes from data. BOS/EOS bracketing is added by id, not by string.
         pipeline = pipeline.tokenize(
-            tokenizer_id=str(tok_path), field=text_field, add_attention_mask=False,
-            special_tokens=special_tokens, **kwargs,
+            tokenizer=_load_tokenizer(tok_path, split_special_tokens=True), field=text_field,
+            add_attention_mask=False, special_tokens=special_tokens, **kwargs,
         )
         tokens_field = ZEPHON_TOKENS_KEY
     elif mode == "chat":
@@ -671,13 +758,24 @@ def build_pipeline(
     else:
         assert pretokenized_field is not None
         tokens_field = pretokenized_field
-    pipeline = pipeline.map_transform(KeepTokenFields(tokens_field, eligibility_field, loss_mask_field))
+    token_check = CheckTokens(
+        tokens_field=tokens_field, vocab_size=vocab, max_record_tokens=max_record_tokens,
+        row_capacity=seq_len + 1 if packing_algorithm in _BINNED else None,
+        eligibility_field=eligibility_field, loss_mask_field=loss_mask_field, **checks)
+    pipeline = pipeline.add_op("zephon_loader.check_tokens", process_many=token_check,
+                               validation_samples=token_check.validation_samples, preserves_cursor_order=True)
     pack_kwargs: dict[str, Any] = {"algorithm": packing_algorithm, "tokens_field": ZEPHON_TOKENS_KEY, "emit_positions": True}
     if num_bins is not None:
         pack_kwargs["num_bins"] = num_bins
     if pad_token_id is not None:
         pack_kwargs["pad_token_id"] = int(pad_token_id)
-    pipeline = pipeline.pack_flat(seq_len + 1, **pack_kwargs).batch(micro_batch_size)
+    if packing_algorithm == "wrap":
+        # Uncapped wrap drops the partial row left at each flush (every flush_every_k_chunks chunks and
+        # the end of the stream). A cap of L + 1 segments never closes a row early (every segment
+        # holds a token), but makes Zephon pad that row and emit it instead.
+        pack_kwargs["max_sequences_per_bin"] = seq_len + 1
+    # drop_last=False: the short batch of each flush is delivered; collate pads it to B rows.
+    pipeline = pipeline.pack_flat(seq_len + 1, **pack_kwargs).batch(micro_batch_size, drop_last=False)
     if options:
         pipeline = pipeline.options(**options)
     return pipeline
@@ -770,6 +868,11 @@ class ZephonSource(BaseNode):
       multi-rank job it is a collective, so every rank must ask together.
     * ``close()``: stops Zephon's workers (closes the pipeline iterator, whose
       ``finally`` closes the engine). Idempotent; also on ``with`` exit.
+    * Worker processes (``runner: process``) are contained
+      (:mod:`zephon_loader.workers`): they ignore SIGINT, exit when this
+      process dies, and those still alive ``workers.WORKER_GRACE_S`` after a
+      shutdown began (``close()``, a new ``reset()``, the end of a pass, an
+      operator error) are SIGKILLed; ``close()`` returns with none left.
 
     Workers start lazily, at the first ``next()``. The pipeline must not be
     iterated by anyone else while this node owns it.
@@ -781,7 +884,7 @@ class ZephonSource(BaseNode):
     #: The one key of :meth:`get_state` output, holding ``pipeline.checkpoint()``.
     STATE_KEY = "zephon_checkpoint"
 
-    def __init__(self, pipeline: Any):
+    def __init__(self, pipeline: Any, shards: Any = None):
         super().__init__()
         import zephon
 
@@ -790,6 +893,12 @@ class ZephonSource(BaseNode):
                 _err("pipeline", type(pipeline).__name__, "a zephon.Pipeline", "Build it with build_pipeline(...).")
             )
         self._pipeline = pipeline
+        from zephon_loader.workers import contain_workers
+
+        #: The pipeline's ``mp_context``: registry of its worker processes, bounds their shutdown.
+        self._workers = contain_workers(pipeline)
+        #: ``records.ShardTable`` of the sources: names the shard and line of a record Zephon cannot parse.
+        self._shards = shards
         self._iterator: Iterator[Any] | None = None
         self._closed = False
 
@@ -817,7 +926,12 @@ class ZephonSource(BaseNode):
             raise RuntimeError("ZephonSource.next: the source is closed.")
         if self._iterator is None:  # pragma: no cover - BaseNode calls reset first
             raise RuntimeError("ZephonSource.next: call reset() first.")
-        return next(self._iterator)
+        try:
+            return next(self._iterator)
+        except json.JSONDecodeError as error:  # raised by Zephon's JSONL reader, without file or line
+            if self._shards is None:
+                raise
+            raise self._shards.unparsable(error) from error
 
     def get_state(self) -> dict[str, Any]:
         return {self.STATE_KEY: self._pipeline.checkpoint()}
@@ -846,17 +960,42 @@ class ZephonSource(BaseNode):
 
         EngineStateV2.load(_restorable(self._checkpoint_of(state)))
 
+    def cancel(self) -> None:
+        """From any thread: end the running iteration so that a ``next()`` blocked in Zephon returns soon.
+
+        For a reader thread that may wait inside :meth:`next` (Zephon's workers
+        take tens of seconds to start on a small machine): cancel, join that
+        thread, then :meth:`close`. The ``next()`` in progress ends with
+        ``StopIteration`` or Zephon's error. Zephon 0.2.0 has no public call for
+        this; its engine's ``close()`` is the one Zephon itself calls from
+        another thread than the iterating one (its final prefetch buffer's
+        ``on_stop``). Idempotent; a no-op before the first ``next()``.
+        """
+        self._workers.shut_down()
+        engine = getattr(self._pipeline, "_engine", None)
+        if engine is not None:
+            engine.close()
+
     def close(self) -> None:
-        """Stop Zephon's worker threads/processes. Safe to call more than once."""
-        self._stop()
-        self._closed = True
+        """Stop Zephon's worker threads/processes; none is left when it returns. Safe to call more than once."""
+        try:
+            self._stop()
+        finally:
+            self._closed = True
+            self._workers.close()
 
     def _stop(self) -> None:
+        """End the running iteration: Zephon's own shutdown, its worker processes bounded by the grace period."""
         iterator, self._iterator = self._iterator, None
-        if iterator is not None:
+        if iterator is None:
+            return
+        self._workers.shut_down()  # Zephon joins worker after worker, up to 10 s each
+        try:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
+        finally:
+            self._workers.kill()  # whatever Zephon left running (normally none)
 
     def __enter__(self) -> "ZephonSource":
         return self
