@@ -53,16 +53,18 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench_crash_resume_") as scratch:
         root = args.workdir or Path(scratch)
-        config = loader_config(
-            make_corpus(root / "corpus", documents=args.documents),
-            runner=args.runner, read_ahead=args.read_ahead, max_workers=args.max_workers,
-        )
+        corpus = make_corpus(root / "corpus", documents=args.documents)
+        config = loader_config(corpus, runner=args.runner, read_ahead=args.read_ahead, max_workers=args.max_workers)
         start = time.perf_counter()
         reference = reference_digests(config)
+        same = ""
+        if args.runner != "threads":
+            threads = reference_digests(loader_config(corpus, runner="threads", read_ahead=args.read_ahead))
+            same = f"; same stream as the threads runner: {'yes' if threads == reference else 'NO'}"
         print(
             f"runner={args.runner} read_ahead={args.read_ahead} max_workers={args.max_workers} "
             f"save_every={args.save_every} kills/trial={args.kills}: reference {len(reference)} batches "
-            f"in {time.perf_counter() - start:.1f} s"
+            f"in {time.perf_counter() - start:.1f} s{same}"
         )
         totals = {"kills": 0, "batches": 0, "lost": 0, "repeated": 0, "out_of_order": 0, "orphans": 0, "redone": 0}
         for trial in range(args.trials):

@@ -237,6 +237,7 @@ def run_trial(
 
 
 def _truncate(path: Path, size: int) -> None:
+    """Cut the consumed log back to ``size`` bytes (the checkpoint's steps); it must hold at least that many."""
     if not path.exists():
         if size:
             raise RuntimeError(f"{path}: missing, expected at least {size} bytes (the checkpoint's steps)")
@@ -275,6 +276,9 @@ def _run_worker(
                 raise RuntimeError(f"crash worker ran past {timeout_s:.0f} s:\n{_tail(stderr_path)}")
             time.sleep(POLL_SECONDS)
     finally:
+        if process.poll() is None:  # interrupted: never leave the worker running
+            process.send_signal(signal.SIGKILL)
+            process.wait()
         stray = _reap_group(process.pid, orphan_grace_s)
     if not killed and process.returncode != 0:
         raise RuntimeError(f"crash worker exited with status {process.returncode}:\n{_tail(stderr_path)}")

@@ -330,9 +330,11 @@ def _exited_on_its_own(worker: _Worker) -> bool:
         return False
     try:
         info = os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOWAIT | os.WNOHANG)  # type: ignore[attr-defined]
-    except ChildProcessError:  # Zephon already reaped it; its Process object holds the status
-        code = worker.process.exitcode
-        return code is not None and code >= 0
+    except ChildProcessError:
+        # Reaped already (Zephon joined it), or not our child (a fork server's): unknown.
+        # Never ask its Process object from this thread: a fork-server Popen reads the
+        # status from a socket that Zephon's join reads too.
+        return False
     return info is not None and info.si_code == os.CLD_EXITED
 
 
