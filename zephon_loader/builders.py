@@ -27,7 +27,14 @@ from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import PackingContract, validate_packing_contract
 from zephon_loader.records import DropLog, ShardTable
 from zephon_loader.stats import CountingCollate, LoaderStats
-from zephon_loader.source import SourceSpec, ZephonSource, _load_tokenizer, build_pipeline, pad_token_id_of
+from zephon_loader.source import (
+    DROP_LOG_NAME,
+    SourceSpec,
+    ZephonSource,
+    _load_tokenizer,
+    build_pipeline,
+    pad_token_id_of,
+)
 
 
 def _as_config(config: TextLoaderConfig | Mapping[str, Any] | str | Path) -> TextLoaderConfig:
@@ -151,9 +158,8 @@ def build_text_loader(
         chat_template = str(cfg.resolve_path(chat_template))
     sources = [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources]
     dist = cfg.distributed
-    drop_dir = tempfile.mkdtemp(prefix="zephon_loader_drops_")
-    owned.append(drop_dir)
-    drop_log = os.path.join(drop_dir, "drops.jsonl")
+    work_dir = tempfile.mkdtemp(prefix="zephon_loader_pipeline_")
+    owned.append(work_dir)
 
     try:
         pipeline = _build_pipeline_in(
@@ -191,7 +197,7 @@ def build_text_loader(
             on_bad_record=cfg.on_bad_record,
             max_record_tokens=cfg.max_record_tokens,
             max_record_bytes=cfg.max_record_bytes,
-            drop_log=drop_log,
+            work_dir=work_dir,
         )
     except BaseException:
         _remove(owned)
@@ -239,7 +245,7 @@ def build_text_loader(
         fingerprint=fingerprint,
         pin_memory=pin_memory,
         on_close=partial(_remove, owned),
-        stats=LoaderStats([s.name for s in sources], DropLog(drop_log)),
+        stats=LoaderStats([s.name for s in sources], DropLog(os.path.join(work_dir, DROP_LOG_NAME))),
     )
 
 
