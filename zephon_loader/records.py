@@ -304,6 +304,17 @@ def _token_count(payload: Any) -> int | None:
     return None
 
 
+def _field_problem(payload: Any, field: str, fix: str) -> tuple[str, str, Any, str, str] | None:
+    """``not_an_object`` / ``missing_field`` for a payload that is not a mapping holding ``field``, else ``None``."""
+    if not isinstance(payload, Mapping):
+        return ("not_an_object", "<record>", _describe(payload), f"a JSON object with a {field!r} field",
+                "Write one JSON object per record.")
+    if field not in payload:
+        return ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
+                f"a record containing {field!r}", fix)
+    return None
+
+
 def _describe(value: Any) -> str:
     """``null``, ``42 (int)``, ``["a", "b"] (list)``: the value as JSON, cut short, and its type."""
     if value is None:
@@ -338,12 +349,9 @@ class CheckRawRecords(_RecordOp):
 
     def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:
         field = self.field
-        if not isinstance(payload, Mapping):
-            return None, ("not_an_object", "<record>", _describe(payload),
-                          f"a JSON object with a {field!r} field", "Write one JSON object per line.")
-        if field not in payload:
-            return None, ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
-                          f"a record containing {field!r}", f"Add {field!r} to every record or set the field name.")
+        problem = _field_problem(payload, field, f"Add {field!r} to every record or set the field name.")
+        if problem is not None:
+            return None, problem
         value = payload[field]
         if self.mode == "text":
             if not isinstance(value, str):
@@ -418,12 +426,9 @@ class CheckTokens(_RecordOp):
 
     def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:
         field = self.tokens_field
-        if not isinstance(payload, Mapping):
-            return None, ("not_an_object", "<record>", _describe(payload),
-                          f"a JSON object with a {field!r} field", "Write one JSON object per record.")
-        if field not in payload:
-            return None, ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
-                          f"a record containing {field!r}", "Set pretokenized_field to the column of token ids.")
+        problem = _field_problem(payload, field, "Set pretokenized_field to the column of token ids.")
+        if problem is not None:
+            return None, problem
         raw = payload[field]
         tokens = _int_array(raw)
         if tokens is None:
