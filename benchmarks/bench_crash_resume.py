@@ -23,6 +23,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=600, help="corpus size (about 1 batch per 2 documents)")
     parser.add_argument("--max-workers", type=int, default=None, help="Zephon runtime.max_workers")
     parser.add_argument("--step-seconds", type=float, default=0.003, help="simulated compute per training step")
+    parser.add_argument("--kill-jitter", type=float, default=0.02,
+                        help="seconds (random 0..this) between seeing the kill step logged and the SIGKILL")
     parser.add_argument("--orphan-grace", type=float, default=10.0,
                         help="seconds a killed worker's process group gets to exit on its own before counting orphans")
     parser.add_argument("--seed", type=int, default=0, help="kill steps of trial i are drawn with seed + i")
@@ -66,33 +69,30 @@ def main() -> None:
             f"save_every={args.save_every} kills/trial={args.kills}: reference {len(reference)} batches "
             f"in {time.perf_counter() - start:.1f} s{same}"
         )
-        totals = {"kills": 0, "batches": 0, "lost": 0, "repeated": 0, "out_of_order": 0, "orphans": 0, "redone": 0}
+        totals: Counter[str] = Counter()
         for trial in range(args.trials):
             result = run_trial(
                 config, root / f"trial{trial}", reference, kills=args.kills, save_every=args.save_every,
-                seed=args.seed + trial, step_seconds=args.step_seconds, orphan_grace_s=args.orphan_grace,
+                seed=args.seed + trial, step_seconds=args.step_seconds,
+                kill_jitter_s=args.kill_jitter, orphan_grace_s=args.orphan_grace,
             )
             c = result.comparison
             print(
-                f"trial {trial}: runs={result.runs} kills={result.kills} resumes={result.resumes} "
-                f"redone={result.redone} batches={c.batches} consumed={c.consumed} lost={c.lost} "
-                f"repeated={c.repeated} first_divergence={c.first_divergence} orphans={result.orphans} "
-                f"{result.seconds:.1f} s"
+                f"trial {trial}: runs={result.runs} kills={result.kills} (mid-save {result.mid_save_kills}) "
+                f"resumes={result.resumes} redone={result.redone} batches={c.batches} consumed={c.consumed} "
+                f"lost={c.lost} repeated={c.repeated} first_divergence={c.first_divergence} "
+                f"orphans={result.orphans} {result.seconds:.1f} s"
             )
-            totals["kills"] += result.kills
-            totals["batches"] += c.batches
-            totals["lost"] += c.lost
-            totals["repeated"] += c.repeated
-            totals["out_of_order"] += not c.exact
-            totals["orphans"] += result.orphans
-            totals["redone"] += result.redone
+            totals.update(
+                kills=result.kills, mid_save=result.mid_save_kills, batches=c.batches, lost=c.lost,
+                repeated=c.repeated, out_of_order=int(not c.exact), orphans=result.orphans, redone=result.redone,
+            )
         print(
-            f"summary: trials={args.trials} kills={totals['kills']} batches compared={totals['batches']} "
-            f"lost={totals['lost']} repeated={totals['repeated']} trials out of order={totals['out_of_order']} "
-            f"orphans={totals['orphans']} steps redone after resume={totals['redone']} "
-            f"({time.perf_counter() - start:.0f} s)"
+            f"summary: trials={args.trials} kills={totals['kills']} (mid-save {totals['mid_save']}) "
+            f"batches compared={totals['batches']} lost={totals['lost']} repeated={totals['repeated']} "
+            f"trials out of order={totals['out_of_order']} orphans={totals['orphans']} "
+            f"steps redone after resume={totals['redone']} ({time.perf_counter() - start:.0f} s)"
         )
-
 
 if __name__ == "__main__":
     main()

@@ -10,10 +10,10 @@ One trial:
    this process, one :func:`crash_worker.batch_digest` per batch.
 2. Start the worker from scratch (its own process group). Pick a random
    step ahead of the last checkpoint, watch the consumed log grow and
-   SIGKILL the worker once that step is logged, at whatever instant that
-   is (mid-batch, mid-log-write, mid-checkpoint). Processes of its group
-   (Zephon ``process`` runner workers) still alive a grace period later are
-   counted as orphans and SIGKILLed.
+   SIGKILL the worker a random few milliseconds after that step is logged,
+   at whatever instant that is (mid-batch, mid-log-write, mid-checkpoint).
+   Processes of its group (Zephon ``process`` runner workers) still alive a
+   grace period later are counted as orphans and SIGKILLed.
 3. Truncate the consumed log to the step of the last checkpoint (the
    atomically saved ``{"step", "loader"}``) and start the worker again; it
    resumes with ``loader.load_state_dict``. Repeat until ``kills`` kills
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crash_worker import LINE_BYTES, batch_digest, load_checkpoint
+from crash_worker import LINE_BYTES, batch_digest, load_checkpoint, temporary_path
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 #: How often the driver looks at the consumed log while waiting for the kill step.
@@ -155,6 +155,8 @@ class TrialResult:
     Attributes:
         runs: Worker processes started.
         kills: SIGKILLs that landed on a live worker.
+        mid_save_kills: Kills that landed while a checkpoint was being written
+            (its temporary file was left behind; the previous checkpoint was used).
         resumes: Runs that started from a saved checkpoint.
         redone: Logged steps rolled back to a checkpoint (consumed again after resuming).
         orphans: Processes of a worker's group still alive ``orphan_grace_s`` after
@@ -165,6 +167,7 @@ class TrialResult:
 
     runs: int
     kills: int
+    mid_save_kills: int
     resumes: int
     redone: int
     orphans: int
@@ -181,14 +184,17 @@ def run_trial(
     save_every: int,
     seed: int,
     step_seconds: float = 0.0,
+    kill_jitter_s: float = 0.02,
     run_timeout_s: float = 300.0,
     orphan_grace_s: float = 10.0,
 ) -> TrialResult:
     """Kill the worker ``kills`` times at random steps, resume each time, then let it finish; compare.
 
     Kill steps are drawn uniformly between the step after the last checkpoint
-    and ``len(reference) - save_every`` (so the kill lands before the stream
-    ends); the kill itself happens whenever the driver sees that step logged.
+    and ``len(reference) - save_every`` (so the kill usually lands before the
+    stream ends); once the driver sees that step logged it waits a random
+    ``0..kill_jitter_s`` more, so kills fall anywhere in the step cycle
+    (batch, log write, checkpoint write).
 
     Processes of a worker's group (Zephon ``process`` runner workers) get
     ``orphan_grace_s`` after the worker died to exit on their own; those still
@@ -205,7 +211,7 @@ def run_trial(
     config_path.write_text(json.dumps(dict(config)))
     rng = random.Random(seed)
     total = len(reference)
-    runs = landed = resumes = redone = orphans = 0
+    runs = landed = mid_save = resumes = redone = orphans = 0
     start = time.perf_counter()
     while True:
         checkpoint = load_checkpoint(state_path)
@@ -215,19 +221,24 @@ def run_trial(
         _truncate(log_path, step * LINE_BYTES)
         resumes += checkpoint is not None
         kill_at = rng.randint(step + 1, max(step + 1, total - save_every)) if landed < kills else None
+        delay = rng.uniform(0.0, kill_jitter_s)
         runs += 1
         killed, stray = _run_worker(
             config_path, state_path, log_path, workdir / f"run{runs}.stderr",
-            save_every=save_every, step_seconds=step_seconds, kill_at=kill_at, timeout_s=run_timeout_s,
-            orphan_grace_s=orphan_grace_s,
+            save_every=save_every, step_seconds=step_seconds, kill_at=kill_at, kill_delay_s=delay,
+            timeout_s=run_timeout_s, orphan_grace_s=orphan_grace_s,
         )
         orphans += stray
         if not killed:
             break
         landed += 1
+        if temporary_path(state_path).exists():
+            mid_save += 1
+            temporary_path(state_path).unlink()
     return TrialResult(
         runs=runs,
         kills=landed,
+        mid_save_kills=mid_save,
         resumes=resumes,
         redone=redone,
         orphans=orphans,
@@ -252,9 +263,10 @@ def _truncate(path: Path, size: int) -> None:
 
 def _run_worker(
     config_path: Path, state_path: Path, log_path: Path, stderr_path: Path, *,
-    save_every: int, step_seconds: float, kill_at: int | None, timeout_s: float, orphan_grace_s: float,
+    save_every: int, step_seconds: float, kill_at: int | None, kill_delay_s: float, timeout_s: float,
+    orphan_grace_s: float,
 ) -> tuple[bool, int]:
-    """Run the worker; SIGKILL it once step ``kill_at`` is logged. Returns (killed, orphans)."""
+    """Run the worker; SIGKILL it ``kill_delay_s`` after step ``kill_at`` is logged. Returns (killed, orphans)."""
     command = [
         sys.executable, str(WORKER), "--config", str(config_path), "--state", str(state_path),
         "--log", str(log_path), "--save-every", str(save_every), "--step-seconds", str(step_seconds),
@@ -267,6 +279,7 @@ def _run_worker(
     try:
         while process.poll() is None:
             if kill_at is not None and log_path.exists() and log_path.stat().st_size >= kill_at * LINE_BYTES:
+                time.sleep(kill_delay_s)
                 process.send_signal(signal.SIGKILL)
                 killed = process.wait() == -signal.SIGKILL
                 break

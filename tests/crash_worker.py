@@ -67,11 +67,16 @@ def log_line(step: int, digest: str) -> bytes:
     return line
 
 
+def temporary_path(path: Path) -> Path:
+    """Where :func:`save_atomically` writes before the rename (present after a kill mid-save)."""
+    return path.with_name(path.name + ".tmp")
+
+
 def save_atomically(payload: Any, path: Path) -> None:
     """``torch.save`` to ``path`` so that a kill at any instant leaves the old file or the new one."""
     import torch
 
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary_path(path)
     with tmp.open("wb") as handle:
         torch.save(payload, handle)
         handle.flush()

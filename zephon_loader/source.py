@@ -879,10 +879,12 @@ class ZephonSource(BaseNode):
     * ``close()``: stops Zephon's workers (closes the pipeline iterator, whose
       ``finally`` closes the engine). Idempotent; also on ``with`` exit.
     * Worker processes (``runner: process``) are contained
-      (:mod:`zephon_loader.workers`): they ignore SIGINT, exit when this
-      process dies, and those still alive ``workers.WORKER_GRACE_S`` after a
-      shutdown began (``close()``, a new ``reset()``, the end of a pass, an
-      operator error) are SIGKILLed; ``close()`` returns with none left.
+      (:mod:`zephon_loader.workers`): forked from a preloaded fork server,
+      they ignore SIGINT and exit when this process dies; those still alive
+      ``workers.WORKER_GRACE_S`` after ``close()`` or a new ``reset()`` began
+      are SIGKILLed, and ``close()`` returns with none left.
+    * ``cancel()``: from any thread, makes a ``next()`` blocked in Zephon
+      return soon (for an owner that joins a reader thread before ``close()``).
 
     Workers start lazily, at the first ``next()``. The pipeline must not be
     iterated by anyone else while this node owns it.
@@ -971,15 +973,18 @@ class ZephonSource(BaseNode):
         EngineStateV2.load(_restorable(self._checkpoint_of(state)))
 
     def cancel(self) -> None:
-        """From any thread: end the running iteration so that a ``next()`` blocked in Zephon returns soon.
+        """From any thread: stop Zephon's engine so that a ``next()`` blocked in it returns soon.
 
-        For a reader thread that may wait inside :meth:`next` (Zephon's workers
-        take tens of seconds to start on a small machine): cancel, join that
-        thread, then :meth:`close`. The ``next()`` in progress ends with
-        ``StopIteration`` or Zephon's error. Zephon 0.2.0 has no public call for
-        this; its engine's ``close()`` is the one Zephon itself calls from
-        another thread than the iterating one (its final prefetch buffer's
-        ``on_stop``). Idempotent; a no-op before the first ``next()``.
+        For an owner whose reader thread may wait inside :meth:`next` (a
+        ``process`` runner's workers can take many seconds to start): cancel,
+        join that thread, then :meth:`close` (the source is not meant to be
+        read again before a ``reset()``). The ``next()`` in progress ends with
+        ``StopIteration`` or Zephon's error; worker processes get the grace
+        period. Zephon 0.2.0 has no public call for this: its engine's
+        ``close()`` is what Zephon itself calls from another thread than the
+        iterating one (its final prefetch buffer's ``on_stop``). Does nothing
+        before Zephon built its engine, early in the first ``next()``.
+        Idempotent.
         """
         self._workers.shut_down()
         engine = getattr(self._pipeline, "_engine", None)
@@ -992,7 +997,7 @@ class ZephonSource(BaseNode):
             self._stop()
         finally:
             self._closed = True
-            self._workers.close()
+            self._workers.kill()  # also after a cancel() whose iteration ended by itself
 
     def _stop(self) -> None:
         """End the running iteration: Zephon's own shutdown, its worker processes bounded by the grace period."""
