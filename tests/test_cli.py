@@ -253,3 +253,22 @@ def test_python_dash_m_runs(tmp_path):
     assert _value(result.stdout, "batches") == "2"
     assert "tokens/s" in result.stdout and "yielded fields:" in result.stdout
     assert result.stdout.count(F.INPUT_IDS) == 1
+
+
+def test_run_reports_deliveries_and_drops(capsys, loader_yaml, tmp_path):
+    """first_fit with rows shorter than some documents: the drops are in the printed report and in --json."""
+    report_path = tmp_path / "drops.json"
+    path = loader_yaml(sequence_length=16, packing={"algorithm": "first_fit"})
+    assert cli.main(["run", str(path), "--json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    longer = report["dropped"]["longer_than_row"]
+    assert longer["documents"] > 0 and longer["tokens"] > 17 * longer["documents"]
+    assert re.search(rf"^\s+longer_than_row\s+{longer['documents']:,} documents, {longer['tokens']:,} tokens; "
+                     r"first at source '[ab]', shard .*part-0000[01]\.jsonl, line \d+$", out, re.MULTILINE)
+    for name in ("a", "b"):
+        delivered = report["sources"][name]["delivered"]
+        dropped = report["sources"][name]["dropped"].get("longer_than_row", {"documents": 0})["documents"]
+        assert delivered["documents"] > 0
+        assert delivered["documents"] + dropped == 100  # every record of the pass: delivered once, or counted
+        assert re.search(rf"source '{name}'\s+{delivered['documents']:,} documents", out)

@@ -104,7 +104,8 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
             if steps is not None and batches >= steps:
                 break
         elapsed = time.perf_counter() - built
-        dropped = loader.stats()["dropped"]
+        stats = loader.stats()
+        dropped = stats["dropped"]
     if first is None:
         counts = "; ".join(f"{reason}: {e['documents']} (first at {e['first']})" for reason, e in dropped.items())
         raise ValueError(
@@ -121,6 +122,8 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
         "documents_per_row": round(ranges / rows, 2),
         "label_supervised_fraction": round(supervised / positions, 4),
         "fields": {name: _describe(value) for name, value in first.items()},
+        "sources": stats["sources"],
+        "dropped": dropped,
     }
     print(f"zephon-loader run  {config}", file=out)
     print(f"  batches                 {batches}  (built in {report['build_s']} s, iterated in {report['iterate_s']} s)", file=out)
@@ -128,6 +131,17 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     print(f"  padding fraction        {report['padding_fraction']:.4f}", file=out)
     print(f"  documents per row       {report['documents_per_row']:.2f}  (attention ranges)", file=out)
     print(f"  label-supervised frac.  {report['label_supervised_fraction']:.4f}", file=out)
+    for name, entry in report["sources"].items():
+        delivered = entry["delivered"]
+        print(f"  source {name!r:17s} {delivered['documents']:,} documents, {delivered['tokens']:,} tokens delivered",
+              file=out)
+    if dropped:
+        print("  dropped (loader.stats()):", file=out)
+        for reason, entry in dropped.items():
+            print(f"    {reason:22s} {entry['documents']:,} documents, {entry['tokens']:,} tokens; first at {entry['first']}",
+                  file=out)
+    else:
+        print("  dropped                 nothing", file=out)
     print("  yielded fields:", file=out)
     for name, text in report["fields"].items():
         print(f"    {name:22s} {text}", file=out)
