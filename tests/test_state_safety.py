@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import glob
 import json
@@ -162,7 +163,8 @@ def test_state_dict_racing_iter_never_fails_and_stays_exact(sources, tokenizer_d
     with build_text_loader(cfg) as loader:
         full = input_ids(collect(loader))
     errors: list[str] = []
-    taken = []
+    # Bounded: a state can be ~1 MB (Zephon's checkpoint), and a tight loop takes thousands of them.
+    taken: collections.deque = collections.deque(maxlen=64)
     with build_text_loader(cfg) as loader:
         stop = threading.Event()
 
@@ -172,6 +174,7 @@ def test_state_dict_racing_iter_never_fails_and_stays_exact(sources, tokenizer_d
                     taken.append(loader.state_dict())
                 except Exception as error:  # before issue 9: AttributeError / "cannot join thread"
                     errors.append(f"{type(error).__name__}: {error}")
+                time.sleep(0.0005)  # keep racing, but let the consumer get the locks (they are not fair)
 
         taker = threading.Thread(target=take_states)
         taker.start()
