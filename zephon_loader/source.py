@@ -553,7 +553,9 @@ def build_pipeline(
             )
     else:
         tok_path = _check_tokenizer_dir(tokenizer)
-        tok = _load_tokenizer(tok_path)
+        # split_special_tokens changes only how text is split, not ids, vocabulary or special tokens: the one
+        # object validates here and, in text mode, is saved for Zephon below.
+        tok = _load_tokenizer(tok_path, split_special_tokens=True)
     vocab = len(tok) if tok is not None else None
 
     if eligibility_field is not None and mode != "pretokenized" and transform is None:
@@ -750,7 +752,7 @@ def build_pipeline(
         # Zephon gets a saved folder, not the object: a tokenizer object passed to Zephon's tokenize
         # kept ~0.4 MiB of heap per iter() (measured with bench_soak.py --mode passes).
         text_tokenizer = os.path.join(work_dir, "text_tokenizer")
-        _load_tokenizer(tok_path, split_special_tokens=True).save_pretrained(text_tokenizer)
+        tok.save_pretrained(text_tokenizer)
         pipeline = pipeline.tokenize(
             tokenizer_id=text_tokenizer, field=text_field,
             add_attention_mask=False, special_tokens=special_tokens, **kwargs,
