@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.builders import _as_config, build_text_loader
+from zephon_loader.builders import build_text_loader
+from zephon_loader.config import read_loader_config
 from zephon_loader.config import default_config_path
 from zephon_loader.source import SourceSpec, build_pipeline
 
 
 def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
-    cfg = _as_config(config_path)
+    cfg = read_loader_config(config_path)
     pipeline = build_pipeline(
         [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources],
         seq_len=cfg.sequence_length,
@@ -60,7 +61,7 @@ def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
 
 def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None = None) -> tuple[float, int]:
     tokens = batches = 0
-    config = _as_config(config_path)
+    config = read_loader_config(config_path)
     if read_ahead is not None:
         config = dataclasses.replace(config, read_ahead=read_ahead)
     with build_text_loader(config) as loader:
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=4, help="full passes over the stream per measurement")
     args = parser.parse_args()
     print(f"config {args.config}  torch {torch.__version__}  threads {torch.get_num_threads()}")
-    read_ahead = _as_config(args.config).read_ahead
+    read_ahead = read_loader_config(args.config).read_ahead
     sides = {
         "direct": lambda: direct_tokens_per_s(args.config, args.passes),
         f"loader (read_ahead={read_ahead})": lambda: loader_tokens_per_s(args.config, args.passes),

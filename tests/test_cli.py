@@ -127,24 +127,32 @@ def test_run_steps_and_json(capsys, loader_yaml, tmp_path):
     capsys.readouterr()
 
 
-def test_run_with_a_build_text_loader_target(capsys, jsonl_sources, tokenizer_dir, tmp_path):
-    """The documented alternative ``_target_`` (a callable with a ``config`` key), relative paths included."""
+def test_cli_and_build_text_loader_read_yaml_the_same_way(capsys, jsonl_sources, tokenizer_dir, tmp_path):
+    """One reader: ``_target_`` optional for both, relative paths against the file, foreign targets refused."""
+    from zephon_loader import build_text_loader
+
     folder = tmp_path / "alt"
     folder.mkdir()
     node = {
-        "_target_": "zephon_loader.build_text_loader",
-        "config": {
-            "sources": [{"name": "a", "path": os.path.relpath(jsonl_sources["a"], folder)}],
-            "tokenizer": {"path": os.path.relpath(tokenizer_dir, folder)},
-            "sequence_length": 32,
-            "micro_batch_size": 2,
-            "runtime": {"runner": "threads"},
-        },
+        "sources": [{"name": "a", "path": os.path.relpath(jsonl_sources["a"], folder)}],
+        "tokenizer": {"path": os.path.relpath(tokenizer_dir, folder)},
+        "sequence_length": 32,
+        "micro_batch_size": 2,
+        "runtime": {"runner": "threads"},
     }
-    path = folder / "alt.yaml"
+    path = folder / "no_target.yaml"
     path.write_text(yaml.safe_dump({"dataloader": node}))
     assert cli.main(["run", str(path), "--steps", "2"]) == 0
     assert _value(capsys.readouterr().out, "batches") == "2"
+    with build_text_loader(path) as loader:
+        assert next(iter(loader))["input_ids"].shape == (2, 32)
+    foreign = folder / "foreign.yaml"
+    foreign.write_text(yaml.safe_dump({"dataloader": {"_target_": "zephon_loader.build_text_loader", **node}}))
+    assert cli.main(["run", str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert "_target_: got 'zephon_loader.build_text_loader'" in err and str(foreign) in err
+    with pytest.raises(ValueError, match=r"_target_: got 'zephon_loader.build_text_loader'"):
+        build_text_loader(foreign)
 
 
 @pytest.mark.parametrize("command", ["run", "inspect"])
@@ -162,7 +170,8 @@ def test_missing_config_exits_2_with_a_clear_message(capsys, tmp_path, command):
     ("content", "match"),
     [
         ("- just\n- a list\n", "expected a mapping"),
-        (yaml.safe_dump({"loader": {"sequence_length": 8}}), "_target_"),
+        (yaml.safe_dump({"loader": {"sequence_length": 8}}), "expected a 'dataloader' mapping"),
+        ("dataloader:\n  seed: 1\n  x: y: z\n", "bad.yaml:3:"),
     ],
 )
 def test_malformed_config_exits_2(capsys, tmp_path, content, match):

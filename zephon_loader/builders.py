@@ -16,11 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
 from zephon_loader.collate import collate
-from zephon_loader.config import (
-    TextLoaderConfig,
-    from_mapping,
-    load_yaml,
-)
+from zephon_loader.config import TextLoaderConfig, read_loader_config
 from zephon_loader.finalize import FinalizeSettings
 from zephon_loader.fingerprint import shard_list_fingerprint, tokenizer_fingerprint
 from zephon_loader.loader import ZephonLoader
@@ -35,25 +31,6 @@ from zephon_loader.source import (
     build_pipeline,
     pad_token_id_of,
 )
-
-
-def _as_config(config: TextLoaderConfig | Mapping[str, Any] | str | Path) -> TextLoaderConfig:
-    if isinstance(config, TextLoaderConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        path = Path(config).resolve()
-        data = load_yaml(path)
-        node = data.get("dataloader", data)
-        if not isinstance(node, Mapping):
-            raise TypeError(f"{path}: 'dataloader' holds {type(node).__name__}, expected a mapping")
-        node = {key: value for key, value in node.items() if key != "_target_"}
-        node.setdefault("base_dir", str(path.parent))
-        return from_mapping(TextLoaderConfig, node, "dataloader")
-    if isinstance(config, Mapping):
-        return from_mapping(TextLoaderConfig, {k: v for k, v in config.items() if k != "_target_"}, "dataloader")
-    raise TypeError(
-        f"config: got {type(config).__name__}, expected a TextLoaderConfig, a mapping, or a YAML path"
-    )
 
 
 def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> object:
@@ -130,7 +107,7 @@ def build_text_loader(
     Raises:
         TypeError/ValueError: Bad configuration or contract, before anything starts.
     """
-    cfg = _as_config(config)
+    cfg = read_loader_config(config)
     contract = resolve_contract(cfg, packing_contract)
     settings = FinalizeSettings.from_contract(
         contract,

@@ -16,50 +16,20 @@ from typing import Any, Sequence
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.config import default_config_path, instantiate, load_yaml
+from zephon_loader.config import default_config_path
 from zephon_loader.loader import ZephonLoader
 
 
 def build_from_yaml(path: str | Path) -> ZephonLoader:
-    """Instantiate the YAML's ``dataloader`` node (``_target_`` style) into a single-process loader.
+    """A single-process loader from a YAML file's ``dataloader`` node.
 
-    The node's ``_target_`` may be :class:`~zephon_loader.recipe.ZephonDataloaderConfig`
-    (then ``build(dp_rank=0, dp_world_size=1)`` is called), or any callable
-    returning a :class:`ZephonLoader` (e.g. ``zephon_loader.build_text_loader``
-    with a ``config`` key). Relative paths resolve against the YAML's folder.
+    Read by :func:`~zephon_loader.config.read_loader_config`, the same reader
+    ``build_text_loader(path)`` uses: ``_target_`` optional, relative paths
+    against the file's folder.
     """
-    path = Path(path).resolve()
-    data = load_yaml(path)
-    node = data.get("dataloader")
-    if not isinstance(node, dict) or "_target_" not in node:
-        raise ValueError(
-            f"{path}: expected a 'dataloader' mapping with a _target_ "
-            "(e.g. zephon_loader.ZephonDataloaderConfig); see configs/demo.yaml"
-        )
-    node = _with_base_dir(dict(node), path.parent)
-    built = instantiate(node)
-    if hasattr(built, "build") and not isinstance(built, ZephonLoader):
-        built = built.build(dp_rank=0, dp_world_size=1)
-    if not isinstance(built, ZephonLoader):
-        raise TypeError(f"{path}: dataloader._target_ built {type(built).__name__}, expected a ZephonLoader")
-    return built
+    from zephon_loader.builders import build_text_loader
 
-
-def _with_base_dir(node: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """Make relative paths resolve against the YAML's folder.
-
-    A ``config`` key (``build_text_loader``-style target) gets it inside its
-    mapping (or, as a relative YAML path, is resolved against it); otherwise the
-    node itself gets ``base_dir`` (``ZephonDataloaderConfig``).
-    """
-    config = node.get("config")
-    if isinstance(config, dict) and "_target_" not in config:
-        node["config"] = {"base_dir": str(base_dir), **config}
-    elif isinstance(config, str) and not Path(config).expanduser().is_absolute():
-        node["config"] = str(base_dir / config)
-    elif "config" not in node:
-        node.setdefault("base_dir", str(base_dir))
-    return node
+    return build_text_loader(path)
 
 
 def _describe(value: Any) -> str:

@@ -439,12 +439,90 @@ def instantiate(node: Any, **overrides: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML file into a mapping, with a clear error for a missing or malformed file."""
+    """Read a YAML file into a mapping, with a one-line error for a missing or malformed file.
+
+    Raises:
+        FileNotFoundError: No such file.
+        ValueError: A YAML syntax error, as ``file:line:column: problem``.
+        TypeError: The top level is not a mapping.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config: {path} does not exist; expected a YAML file (see configs/demo.yaml)")
     with path.open() as handle:
-        data = yaml.safe_load(handle)
+        try:
+            data = yaml.safe_load(handle)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            context = getattr(error, "context", None)
+            raise ValueError(
+                f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
+                + "; expected valid YAML (check indentation, quotes and ':' after keys)"
+            ) from None
     if not isinstance(data, dict):
         raise TypeError(f"config: {path} holds {type(data).__name__}, expected a mapping at the top level")
     return data
+
+
+#: The YAML section a loader config lives in (AutoModel's recipe key).
+LOADER_SECTION = "dataloader"
+
+
+def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:
+    """The one reader of loader configurations: a ``cls`` instance, its mapping, or a YAML file.
+
+    Used by every builder and by the CLI, so a YAML file means the same thing
+    everywhere:
+
+    * A file must hold a ``dataloader`` mapping (AutoModel's recipe layout).
+      Relative paths in it resolve against the file's folder (``base_dir``).
+    * ``_target_`` is optional. When present it must name ``cls`` or a
+      subclass (e.g. ``zephon_loader.ZephonDataloaderConfig``): a node meant
+      for another class is refused rather than silently read as this one.
+
+    Args:
+        config: ``cls`` instance (returned as is), mapping, or YAML path.
+        cls: The schema dataclass to build (default :class:`TextLoaderConfig`).
+
+    Raises:
+        FileNotFoundError / ValueError / TypeError: one line naming the file,
+        the key, what was seen and what was expected.
+    """
+    if isinstance(config, cls):
+        return config
+    where = LOADER_SECTION
+    if isinstance(config, (str, Path)):
+        path = Path(config).expanduser().resolve()
+        data = load_yaml(path)
+        node = data.get(LOADER_SECTION)
+        if not isinstance(node, Mapping):
+            seen = f"top-level keys {sorted(data)}" if node is None else type(node).__name__
+            raise ValueError(
+                f"{path}: {LOADER_SECTION}: got {seen}, expected a '{LOADER_SECTION}' mapping "
+                "(see configs/demo.yaml)"
+            )
+        node = dict(node)
+        node.setdefault("base_dir", str(path.parent))
+        where = f"{path}: {LOADER_SECTION}"
+    elif isinstance(config, Mapping):
+        node = dict(config)
+    else:
+        raise TypeError(
+            f"config: got {type(config).__name__}, expected a {cls.__name__}, a mapping, or a YAML path"
+        )
+    target = node.pop("_target_", None)
+    if target is not None:
+        built = resolve_target(target)
+        if not (isinstance(built, type) and issubclass(built, cls)):
+            raise ValueError(
+                f"{where}._target_: got {target!r}, expected zephon_loader.ZephonDataloaderConfig "
+                f"(or another {cls.__name__}); this reader builds a {cls.__name__}"
+            )
+    try:
+        return from_mapping(cls, node, LOADER_SECTION)
+    except (TypeError, ValueError) as error:
+        if where == LOADER_SECTION:
+            raise
+        raise type(error)(f"{where.split(': ')[0]}: {error}") from None
