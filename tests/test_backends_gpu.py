@@ -2,13 +2,20 @@
 
 Every test is marked ``gpu`` and skipped (with the reason) where CUDA, or the
 optional kernel package (``flash_attn.cute`` for FA4, ``transformer_engine.pytorch``
-for TE), is missing. Run with ``python -m pytest tests/test_backends_gpu.py -m gpu``.
+for TE), is missing. With ``ZEPHON_LOADER_REQUIRE_KERNELS=1`` every such skip
+is a failure instead, so a GPU check cannot pass by skipping
+(``scripts/gpu_check.sh`` sets it). Run with
+``python -m pytest -rs tests/test_backends_gpu.py -m gpu``.
+
+Metadata and masks are handed over as the loader yields them, on pinned CPU
+memory (and, for one FA4 case, already on the GPU): the backends move them.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from typing import Any
 
 import pytest
@@ -25,9 +32,13 @@ from zephon_loader.backends import (
     preprocess_args_and_kwargs_for_attn,
 )
 
+from fake_kernels import FakeDotProductAttention, FakeFA4  # tests/fake_kernels.py
+
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.cuda.is_available()
+#: Set to 1 (scripts/gpu_check.sh does) to turn every missing-CUDA / missing-kernel skip into a failure.
+REQUIRE_KERNELS = os.environ.get("ZEPHON_LOADER_REQUIRE_KERNELS", "") == "1"
 
 
 def _probe(module: str) -> tuple[Any, str]:
@@ -42,9 +53,37 @@ def _probe(module: str) -> tuple[Any, str]:
 
 FA4, FA4_REASON = _probe("flash_attn.cute")
 TE, TE_REASON = _probe("transformer_engine.pytorch")
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-needs_fa4 = pytest.mark.skipif(FA4 is None, reason=FA4_REASON)
-needs_te = pytest.mark.skipif(TE is None, reason=TE_REASON)
+
+
+def _gate(available: bool, reason: str) -> None:
+    """Skip with ``reason``, or fail with it under ``ZEPHON_LOADER_REQUIRE_KERNELS=1``."""
+    if available:
+        return
+    if REQUIRE_KERNELS:
+        pytest.fail(f"ZEPHON_LOADER_REQUIRE_KERNELS=1 turns this skip into a failure: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def cuda_device() -> None:
+    _gate(CUDA, "needs a CUDA device")
+
+
+@pytest.fixture
+def fa4_kernel() -> Any:
+    _gate(FA4 is not None, FA4_REASON)
+    return FA4
+
+
+@pytest.fixture
+def te_kernel() -> Any:
+    _gate(TE is not None, TE_REASON)
+    return TE
+
+
+needs_cuda = pytest.mark.usefixtures("cuda_device")
+needs_fa4 = pytest.mark.usefixtures("fa4_kernel")
+needs_te = pytest.mark.usefixtures("te_kernel")
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 SCALE = HEAD_DIM**-0.5
@@ -77,11 +116,19 @@ def documents(ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: list[torch.Tensor], window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: list[torch.Tensor],
+    window: int | None,
+    softcap: float | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-document fp32 softmax(q k^T) v, causal, window counting keys including the current one.
 
     q: ``[N, H, D]``, k/v: ``[N, Hkv, D]``; returns ``[N, H, D]`` with zeros outside documents.
+    ``softcap`` caps the scaled scores (``c * tanh(s / c)``); ``sink`` ``[H]`` is one extra
+    softmax logit per head with no value (FA4's ``learnable_sink``).
     """
     groups = q.shape[1] // k.shape[1]
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
@@ -94,8 +141,15 @@ def reference_attention(
         allowed = pos[None, :] <= pos[:, None]
         if window is not None:
             allowed &= pos[:, None] - pos[None, :] < window
-        scores = (qd @ kd.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))
-        out = out.index_copy(0, idx, (scores.softmax(-1) @ vd).transpose(0, 1))
+        scores = qd @ kd.transpose(-1, -2) * SCALE
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sink is None:
+            probs = scores.softmax(-1)
+        else:
+            probs = torch.cat([scores, sink[:, None, None].expand(-1, len(idx), 1)], -1).softmax(-1)[..., :-1]
+        out = out.index_copy(0, idx, (probs @ vd).transpose(0, 1))
     return out
 
 
@@ -122,7 +176,7 @@ def assert_close_to_reference(
     upstream = torch.randn(ref.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     got = torch.autograd.grad(out, low, upstream.to(dtype), materialize_grads=True)
     want = torch.autograd.grad(ref, high, upstream, materialize_grads=True)
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b in zip(("q", "k", "v", "learnable_sink"), got, want):
         check(a, b, f"grad of {name}")
 
 
@@ -137,10 +191,11 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def flat_metadata(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Gathered-token metadata as the loader yields it: int64 indices ``[T]``, int32 cu_seqlens, pinned CPU."""
     docs = documents(ids)
     lengths = torch.tensor([len(d) for d in docs])
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
-    return torch.cat(docs).cuda(), cu.cuda(), int(lengths.max())
+    return torch.cat(docs).pin_memory(), cu.pin_memory(), int(lengths.max())
 
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -176,12 +231,16 @@ def test_sdpa_cuda_packed_strategies(dtype: torch.dtype, strategy: str) -> None:
 @needs_fa4
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
-def test_fa4_real_kernel_packed_metadata(dtype: torch.dtype, window: int | None) -> None:
+@pytest.mark.parametrize("metadata_on", ["pinned_cpu", "cuda"])
+def test_fa4_real_kernel_packed_metadata(dtype: torch.dtype, window: int | None, metadata_on: str) -> None:
     ids = packed_ids()
     low, high = leaves(tuple(ids.shape), dtype, seed=2)
     indices, cu, max_seqlen = flat_metadata(ids)
+    mask = ids.pin_memory()
+    if metadata_on == "cuda":
+        indices, cu, mask = indices.cuda(), cu.cuda(), mask.cuda()
     kw = {} if window is None else {"window_size": (window, 0)}
-    out = run("fa4", *low, ids.cuda(), cu_seqlens=cu, packed_token_indices=indices, max_seqlen=max_seqlen, **kw)
+    out = run("fa4", *low, mask, cu_seqlens=cu, packed_token_indices=indices, max_seqlen=max_seqlen, **kw)
     ref = reference_attention(*(flat(t) for t in high), documents(ids), window)
     assert_close_to_reference(flat(out), ref, low, high, dtype)
 
@@ -192,9 +251,45 @@ def test_fa4_real_kernel_padding_mask(dtype: torch.dtype) -> None:
     mask = torch.ones(2, 256, dtype=torch.bool)
     mask[0, 200:] = False
     low, high = leaves(tuple(mask.shape), dtype, seed=3)
-    out = run("fa4", *low, mask.cuda())
+    out = run("fa4", *low, mask.pin_memory())
     ref = reference_attention(*(flat(t) for t in high), documents(mask.long()), None)
     assert_close_to_reference(flat(out), ref, low, high, dtype)
+
+
+@needs_fa4
+@pytest.mark.parametrize("window", WINDOWS)
+def test_fa4_real_kernel_dense(window: int | None) -> None:
+    """No mask and no metadata: FA4's dense ``flash_attn_func`` (bf16)."""
+    low, high = leaves((2, 256), torch.bfloat16, seed=7)
+    kw = {} if window is None else {"window_size": [window, 0]}  # a YAML/JSON list
+    out = run("fa4", *low, None, **kw)
+    ref = reference_attention(*(flat(t) for t in high), documents(torch.ones(2, 256, dtype=torch.long)), window)
+    assert_close_to_reference(flat(out), ref, low, high, torch.bfloat16)
+
+
+@needs_fa4
+def test_fa4_real_kernel_softcap() -> None:
+    """``softcap`` on the varlen kernel (bf16), small enough to change the scores."""
+    ids = packed_ids()
+    low, high = leaves(tuple(ids.shape), torch.bfloat16, seed=8)
+    indices, cu, max_seqlen = flat_metadata(ids)
+    out = run("fa4", *low, ids.pin_memory(), cu_seqlens=cu, packed_token_indices=indices, max_seqlen=max_seqlen,
+              softcap=2.0)
+    ref = reference_attention(*(flat(t) for t in high), documents(ids), None, softcap=2.0)
+    assert_close_to_reference(flat(out), ref, low, high, torch.bfloat16)
+
+
+@needs_fa4
+def test_fa4_real_kernel_learnable_sink() -> None:
+    """``learnable_sink`` ``[H]`` (fp32) on the dense kernel (bf16), its gradient included."""
+    low, high = leaves((2, 256), torch.bfloat16, seed=9)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    sink = torch.randn(HEADS, generator=g, device="cuda").requires_grad_()
+    sink_high = sink.detach().clone().requires_grad_()
+    out = run("fa4", *low, None, learnable_sink=sink)
+    ref = reference_attention(*(flat(t) for t in high), documents(torch.ones(2, 256, dtype=torch.long)), None,
+                              sink=sink_high)
+    assert_close_to_reference(flat(out), ref, [*low, sink], [*high, sink_high], torch.bfloat16)
 
 
 @needs_te
@@ -206,13 +301,14 @@ def test_te_real_kernel_thd(dtype: torch.dtype, physical: bool, te_left: int | N
     ids = packed_ids(holes=not physical)
     docs = documents(ids)
     lengths = torch.tensor([len(d) for d in docs])
-    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32).cuda()
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32).pin_memory()
     low, high = leaves(tuple(ids.shape), dtype, seed=4)
     kw: dict[str, Any] = {"cu_seqlens": cu, "max_seqlen": int(lengths.max())}
     if te_left is not None:
         kw["window_size"] = (te_left, 0)  # TE distances: W + 1 visible keys
     if physical:
-        kw["cu_seqlens_padded"] = torch.tensor([int(d[0]) for d in docs] + [ids.numel()], dtype=torch.int32).cuda()
+        padded = torch.tensor([int(d[0]) for d in docs] + [ids.numel()], dtype=torch.int32)
+        kw["cu_seqlens_padded"] = padded.pin_memory()
         streams_low, streams_high, stream_docs = [flat(t) for t in low], [flat(t) for t in high], docs
     else:
         index = torch.cat(docs).cuda()
@@ -231,14 +327,49 @@ def test_te_real_kernel_thd(dtype: torch.dtype, physical: bool, te_left: int | N
 
 @needs_te
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_te_real_kernel_cu_seqlens_q_kv(dtype: torch.dtype) -> None:
+    """TE's own ``cu_seqlens_q``/``cu_seqlens_kv`` (+ ``max_seqlen_q``/``_kv``), a list window (TE distances)."""
+    ids = packed_ids()
+    docs = documents(ids)
+    lengths = torch.tensor([len(d) for d in docs])
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    low, high = leaves(tuple(ids.shape), dtype, seed=11)
+    index = torch.cat(docs).cuda()
+    streams_low = [flat(t)[index] for t in low]
+    streams_high = [flat(t)[index] for t in high]
+    longest = int(lengths.max())
+    out = run("te", *streams_low, None, cu_seqlens_q=cu.pin_memory(), cu_seqlens_kv=cu.pin_memory(),
+              max_seqlen_q=longest, max_seqlen_kv=longest, window_size=[31, 0])
+    bounds = cu.tolist()
+    stream_docs = [torch.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    ref = reference_attention(*streams_high, stream_docs, 32)
+    assert_close_to_reference(out.reshape(-1, HEADS, HEAD_DIM), ref, low, high, dtype)
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_te_real_kernel_padding_mask(dtype: torch.dtype) -> None:
     mask = torch.ones(2, 256, dtype=torch.long)
     mask[1, 180:] = 0
     low, high = leaves(tuple(mask.shape), dtype, seed=5)
-    out = run("te", *low, mask.cuda()).reshape(2, 256, HEADS, HEAD_DIM)
+    out = run("te", *low, mask.pin_memory()).reshape(2, 256, HEADS, HEAD_DIM)
     ref = reference_attention(*(flat(t) for t in high), documents(mask), None)
     rows = mask.bool().reshape(-1).cuda()
     assert_close_to_reference(torch.where(rows[:, None, None], flat(out), 0), ref, low, high, dtype)
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_te_real_kernel_causal_without_mask(dtype: torch.dtype) -> None:
+    """BSHD without a mask: the module's own ``causal`` mask type."""
+    low, high = leaves((2, 256), dtype, seed=12)
+    out = run("te", *low, None).reshape(2, 256, HEADS, HEAD_DIM)
+    ref = reference_attention(*(flat(t) for t in high), documents(torch.ones(2, 256, dtype=torch.long)), None)
+    assert_close_to_reference(flat(out), ref, low, high, dtype)
+
+
+def _parameters(function: Any) -> list[tuple[str, Any]]:
+    return [(name, p.default) for name, p in inspect.signature(function).parameters.items()]
 
 
 @needs_fa4
@@ -247,7 +378,21 @@ def test_real_fa4_signatures_contain_pinned_keywords() -> None:
     assert FA4_DENSE_KWARGS <= set(inspect.signature(FA4.flash_attn_func).parameters)
 
 
+@needs_fa4
+def test_real_fa4_signatures_equal_the_fakes() -> None:
+    """The CPU fakes take exactly the installed kernels' parameters, in order, with the same defaults."""
+    fake = FakeFA4()
+    assert _parameters(fake.flash_attn_varlen_func) == _parameters(FA4.flash_attn_varlen_func)
+    assert _parameters(fake.flash_attn_func) == _parameters(FA4.flash_attn_func)
+
+
 @needs_te
 def test_real_te_signatures_contain_pinned_keywords() -> None:
     assert TE_INIT_KWARGS <= set(inspect.signature(TE.DotProductAttention.__init__).parameters)
     assert TE_FORWARD_KWARGS <= set(inspect.signature(TE.DotProductAttention.forward).parameters)
+
+
+@needs_te
+def test_real_te_signatures_equal_the_fakes() -> None:
+    assert _parameters(FakeDotProductAttention.__init__) == _parameters(TE.DotProductAttention.__init__)
+    assert _parameters(FakeDotProductAttention.forward) == _parameters(TE.DotProductAttention.forward)
