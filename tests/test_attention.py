@@ -10,7 +10,9 @@ from packed_batches import assert_unchanged, clone_batch, packed_batches, refere
 from zephon_loader import fields as F
 from zephon_loader.attention import (
     adapt_model_inputs,
+    check_training_batch,
     enable_xdoc_attention,
+    padding_is_trailing,
     require_supported_packing_contract,
 )
 from zephon_loader.packing import PackingContract
@@ -104,8 +106,10 @@ def test_require_contract_accepts_automodel_capabilities():
     pytest.importorskip("nemo_automodel", reason="nemo-automodel 0.7.0 not installed (pip install --no-deps)")
     from nemo_automodel.components.models.common.packing import PackingCapabilities
 
-    require_supported_packing_contract(PackingCapabilities("document_ids", True, uses_native_fa4=True))
-    require_supported_packing_contract(PackingCapabilities("flash_varlen"))
+    assert require_supported_packing_contract(
+        PackingCapabilities("document_ids", True, uses_native_fa4=True)
+    ) == PackingContract("document_ids", True)
+    assert require_supported_packing_contract(PackingCapabilities("flash_varlen")) == PackingContract("flash_varlen")
 
 
 def test_require_contract_refuses_holes_in_physical_offsets():
@@ -126,3 +130,37 @@ def test_require_contract_block_mask_budget():
         require_supported_packing_contract(contract, micro_batch_size=1, sequence_length=64, block_mask_budget_bytes=4095)
     # Not a block-causal contract: no mask, no budget.
     require_supported_packing_contract(PackingContract("document_ids"), micro_batch_size=64, sequence_length=131072)
+
+
+def test_require_contract_returns_the_frozen_contract():
+    contract = PackingContract("document_ids", True)
+    assert require_supported_packing_contract(contract) is contract  # validated when built: passed through
+    require_supported_packing_contract(PackingContract("position_ids"))  # attn_implementation 'hf'
+
+
+@pytest.mark.parametrize(
+    ("rows", "trailing"),
+    [
+        ([[False, False, True, True]], True),
+        ([[True, True, True, True]], True),
+        ([[False] * 4], True),
+        ([[False, True, False, True]], False),
+        ([[True, False, False, False]], False),
+        ([[False, False, False, True], [False, True, True, False]], False),
+        ([[True]], True),
+    ],
+)
+def test_padding_is_trailing(rows, trailing):
+    padding = torch.tensor(rows)
+    assert padding_is_trailing(padding) is trailing
+    reference = all(not (a and not b) for row in rows for a, b in zip(row, row[1:]))
+    assert reference is trailing
+
+
+@settings(max_examples=40, deadline=None)
+@given(packed_batches())
+def test_check_training_batch_accepts_collated_batches_and_modifies_nothing(batch):
+    snapshot = clone_batch(batch)
+    check_training_batch(batch, batch.get(F.ATTENTION_ELIGIBILITY))
+    assert_unchanged(snapshot, batch)
+    assert set(batch) == set(snapshot)

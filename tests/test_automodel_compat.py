@@ -65,6 +65,25 @@ def test_metadata_equals_automodel(batch):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 40), st.integers(0, 60), st.integers(0, 2**31 - 1))
+def test_metadata_equals_automodel_on_arbitrary_ids(rows, columns, largest, seed):
+    """Any nonnegative ids, not only collate's: unsorted, with gaps, zeros anywhere, larger than S."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, largest + 1, (rows, columns), generator=generator)
+    ids[torch.rand(rows, columns, generator=generator) < 0.3] = 0
+    if not bool(ids.any()):
+        with pytest.raises(ValueError, match="no valid"):
+            build_packed_sequence_metadata(ids)
+        return
+    ours, theirs = build_packed_sequence_metadata(ids), am_packing.build_packed_sequence_metadata(ids)
+    for name in theirs:
+        if isinstance(theirs[name], torch.Tensor):
+            assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
+        else:
+            assert ours[name] == theirs[name] and type(ours[name]) is type(theirs[name]), name
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     packed_batches(max_rows=4, max_len=32, axes=(1,), eligibility=False),

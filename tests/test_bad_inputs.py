@@ -98,6 +98,8 @@ BAD_CONTRACTS = [
     ("missing metadata flag", SimpleNamespace(packed_mask_type="document_ids"), TypeError, r"has no attribute 'requires_packed_sequence_metadata'"),
     ("metadata flag not bool", SimpleNamespace(packed_mask_type="document_ids", requires_packed_sequence_metadata=1), TypeError, r"requires_packed_sequence_metadata: got int 1, expected bool"),
     ("unknown qkv format", SimpleNamespace(packed_mask_type="document_ids", requires_packed_sequence_metadata=False, qkv_format="sbhd"), ValueError, r"qkv_format: got 'sbhd'"),
+    ("hf with metadata", SimpleNamespace(packed_mask_type="position_ids", requires_packed_sequence_metadata=True), ValueError, r"requires_packed_sequence_metadata: got True with packed_mask_type 'position_ids'"),
+    ("hf with thd", SimpleNamespace(packed_mask_type="position_ids", requires_packed_sequence_metadata=False, qkv_format="thd"), ValueError, r"qkv_format: got 'thd' with packed_mask_type 'position_ids'"),
 ]
 
 
@@ -120,6 +122,33 @@ def test_bad_combinations_are_refused():
         require_supported_packing_contract(PackingContract("document_ids"), return_packed_sequence_metadata=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="micro_batch_size: got 0"):
         require_supported_packing_contract(PackingContract("block_causal"), micro_batch_size=0, sequence_length=8)
+    with pytest.raises(ValueError, match=r"'position_ids' \(attn_implementation 'hf'\).*eligibility field is configured"):
+        FinalizeSettings.from_contract(PackingContract("position_ids"), attention_eligibility=True)
+    with pytest.raises(ValueError, match=r"return_packed_sequence_metadata: got True with packed_mask_type 'position_ids'"):
+        FinalizeSettings.from_contract(PackingContract("position_ids"), return_packed_sequence_metadata=True)
+
+
+HF_SETTINGS = FinalizeSettings.from_contract(PackingContract("position_ids"))
+
+BAD_HF_POSITIONS = [
+    # good(): row 0 ids [1, 1, 2, 2, 0], row 1 one document of 5 tokens.
+    ("documents joined", torch.tensor([[0, 1, 2, 3, 0], [0, 1, 2, 3, 4]]), r"position_ids: row 0, column 2: positions 1 -> 2 with attention document ids 1 -> 2; .* joins documents"),
+    ("document split", torch.tensor([[0, 1, 0, 1, 0], [0, 1, 2, 4, 5]]), r"position_ids: row 1, column 3: positions 2 -> 4 with attention document ids 1 -> 1; .* splits document"),
+    ("multi-axis", torch.tensor([[0, 1, 0, 1, 0], [0, 1, 2, 3, 4]]).expand(3, 2, 5), r"position_ids: got shape \(3, 2, 5\) with packed_mask_type 'position_ids'"),
+]
+
+
+@pytest.mark.parametrize(("case", "positions", "message"), BAD_HF_POSITIONS, ids=[c[0] for c in BAD_HF_POSITIONS])
+def test_hf_contract_refuses_positions_that_do_not_delimit_documents(case, positions, message):
+    """transformers segments a row where positions do not step by 1; that must be exactly the documents."""
+    with pytest.raises(ValueError, match=message):
+        finalize_batch(with_(position_ids=positions), HF_SETTINGS)
+
+
+def test_hf_contract_ignores_padding_positions():
+    """A pad tail numbered on from the last document cannot change a document (causal mask, trailing padding)."""
+    out = finalize_batch(with_(position_ids=torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])), HF_SETTINGS)
+    assert out[F.USE_CACHE] is False and F.ATTENTION_MASK not in out
 
 
 def test_metadata_inputs_are_refused():

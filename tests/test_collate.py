@@ -395,3 +395,28 @@ def test_physical_offsets_can_be_skipped(real_batches):
     assert set(full) - set(lean) == {F.CU_SEQLENS}
     for key in lean:
         assert torch.equal(lean[key], full[key]), key
+
+
+def _uneven_padding_batch() -> SampleBatch:
+    """S + 1 = 9; input-aligned padding: row 0 columns 5-7, row 1 column 7, row 2 none."""
+    return hand_batch([
+        {"tokens": [1, 2, 3, 4, 5, 0, 0, 0, 0], "positions": [0, 1, 2, 3, 4, 0, 1, 2, 3], "pad": 4},
+        {"tokens": [1, 2, 3, 4, 5, 6, 7, 0, 0], "positions": [0, 1, 2, 0, 1, 2, 3, 0, 1], "pad": 2},
+        {"tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9], "positions": list(range(9)), "pad": 0},
+    ])
+
+
+def test_padding_labels_check_reads_every_pad_tail():
+    """The labels-at-padding check reads only the widest pad tail's columns: real labels there (rows with
+    shorter tails) are fine, a supervised label at any padding position is named with its row and column."""
+    out = collate(_uneven_padding_batch(), mask_cross_document_labels=False)
+    assert out[F.PADDING_MASK][:, 5:].tolist() == [[True] * 3, [False, False, True], [False] * 3]
+    assert out[F.LABELS][:, 5:].tolist() == [[IGN, IGN, IGN], [7, IGN, IGN], [7, 8, 9]]  # real labels in the window
+    for row, column in ((0, 5), (0, 7), (1, 7)):
+        def supervise(o, row=row, column=column):
+            labels = o[ZephonKeys.LABELS].clone()
+            labels[row, column] = 4
+            o[ZephonKeys.LABELS] = labels
+
+        with pytest.raises(ValueError, match=rf"supervised label at padding \(row {row}, column {column}: 4\)"):
+            collate(FakeBatch(_uneven_padding_batch(), supervise), mask_cross_document_labels=False)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_metadata
 from zephon_loader import fields as F
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
+from zephon_loader.finalize import FinalizeSettings, finalize_batch, finalize_collated
 from zephon_loader.packing import PackingContract
 
 CONTRACTS = [
@@ -56,6 +56,12 @@ def test_yielded_batch_follows_spec_table(batch, contract, xdoc):
     snapshot = clone_batch(batch)
     out = finalize_batch(batch, config)
     assert_unchanged(snapshot, batch)
+    # The loader's trusting path is the same transform as the validating one.
+    trusted = finalize_collated(batch, config)
+    assert_unchanged(snapshot, batch)
+    assert trusted.keys() == out.keys()
+    for name, value in out.items():
+        assert torch.equal(trusted[name], value) if isinstance(value, torch.Tensor) else trusted[name] == value, name
 
     for name in config.yielded_fields:
         assert name in out, name
@@ -147,3 +153,55 @@ def test_worked_example_flash_varlen():
     kwargs = flash_varlen_kwargs(ids.masked_fill(~eligibility, 0))
     assert kwargs[F.CU_SEQ_LENS_Q].tolist() == [0, 3, 5, 8, 10, 11, 12, 16]
     assert kwargs[F.MAX_LENGTH_Q] == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(packed_batches(axes=(1,), eligibility=False), st.booleans())
+def test_hf_contract_yields_positions_transformers_segments_as_documents(batch, xdoc):
+    """``position_ids`` (``attn_implementation: hf``): no mask; transformers' own segmentation of the yielded
+    positions is exactly the documents (joined under xdoc) at every non-padding token."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    config = _settings(PackingContract("position_ids"), xdoc, False)
+    snapshot = clone_batch(batch)
+    out = finalize_batch(batch, config)
+    assert_unchanged(snapshot, batch)
+    assert set(config.yielded_fields) <= set(out)
+    assert F.ATTENTION_MASK not in out and F.CU_SEQLENS not in out
+    assert out[F.SHIFT_LABELS] is out[F.LABELS] and out[F.USE_CACHE] is False
+    if not xdoc:
+        assert out[F.POSITION_IDS] is batch[F.POSITION_IDS]
+    ids = _expected_ids(batch, xdoc)
+    padding = batch[F.PADDING_MASK]
+    segments = find_packed_sequence_indices(out[F.POSITION_IDS])
+    if segments is None:  # transformers saw one sequence per row
+        segments = torch.zeros_like(ids)
+    for b in range(ids.shape[0]):
+        real = ~padding[b]
+        # Same partition: a segment boundary exactly where the id changes.
+        assert torch.equal(segments[b][real].diff() != 0, ids[b][real].diff() != 0)
+
+
+def test_final_map_trusts_collate_and_finalize_batch_validates(monkeypatch):
+    """Issue 11: each property is validated once between Zephon and the yield (by collate); the loader's
+    final map does not check the batch again, while finalize_batch on a caller's batch still does."""
+    from zephon_loader import finalize
+    from zephon_loader.loader import FinalMap
+
+    calls = []
+    check = finalize.check_training_batch
+    monkeypatch.setattr(finalize, "check_training_batch", lambda *a: calls.append(a) or check(*a))
+    ids = torch.tensor([[1, 1, 2, 0]])
+    batch = {
+        F.INPUT_IDS: torch.tensor([[5, 6, 7, 0]]),
+        F.LABELS: torch.tensor([[6, -100, -100, -100]]),
+        F.PADDING_MASK: ids == 0,
+        F.POSITION_IDS: torch.tensor([[0, 1, 0, 0]]),
+        F.DOCUMENT_IDS: ids,
+    }
+    settings_ = FinalizeSettings.from_contract(PackingContract("document_ids", True))
+    by_loader = FinalMap(settings_)(batch)
+    assert calls == []
+    assert by_loader[F.CU_SEQLENS].tolist() == [[0, 2, 3]]
+    finalize_batch(batch, settings_)
+    assert len(calls) == 1

@@ -129,6 +129,7 @@ def test_contract_defaults_and_validation():
         ("flash_attention_3", "flash_varlen", False),
         ("flash_attention_4", "flash_varlen", False),
         ("fa4", "document_ids", True),
+        ("hf", "position_ids", False),
     ],
 )
 def test_contract_for_attention(name, mask_type, metadata):
@@ -144,3 +145,60 @@ def test_contract_for_attention_model_overrides_and_errors():
         contract_for_attention("xformers")
     with pytest.raises(ValueError, match="qkv_format"):
         contract_for_attention("sdpa", qkv_format="thd")
+
+
+def test_hf_contract_combinations_are_refused():
+    """``hf`` (packed mask type ``position_ids``): a stock HF model reads neither metadata, THD nor another mask."""
+    assert contract_for_attention("hf") == PackingContract("position_ids")
+    assert contract_for_attention("hf", packed_mask_type="position_ids") == PackingContract("position_ids")
+    with pytest.raises(ValueError, match="never reads the gathered-token bundle"):
+        contract_for_attention("hf", requires_packed_sequence_metadata=True)
+    with pytest.raises(ValueError, match=r"packed_mask_type: got 'block_causal' with attn_implementation 'hf'"):
+        contract_for_attention("hf", packed_mask_type="block_causal")
+    with pytest.raises(ValueError, match="qkv_format"):
+        contract_for_attention("hf", qkv_format="thd")
+    with pytest.raises(ValueError, match="never reads the gathered-token bundle"):
+        PackingContract("position_ids", True)
+    with pytest.raises(ValueError, match=r"qkv_format: got 'thd' with packed_mask_type 'position_ids'"):
+        PackingContract("position_ids", False, "thd")
+
+
+def test_packing_contract_of_normalizes_once():
+    from types import SimpleNamespace
+
+    contract = PackingContract("document_ids", True)
+    assert PackingContract.of(contract) is contract
+    duck = SimpleNamespace(packed_mask_type="flash_varlen", requires_packed_sequence_metadata=False, qkv_format=None)
+    assert PackingContract.of(duck) == PackingContract("flash_varlen")
+    with pytest.raises(TypeError, match="has no attribute 'packed_mask_type'"):
+        PackingContract.of(SimpleNamespace(requires_packed_sequence_metadata=False))
+
+
+@pytest.mark.parametrize("source", ["model", "yaml"])
+def test_contract_is_validated_once_on_the_way_to_the_loader(monkeypatch, jsonl_sources, tokenizer_dir, source):
+    """Issue 11: resolve_contract, FinalizeSettings.from_contract and require_supported_packing_contract
+    used to check the same contract three times; now it is checked where it enters, once."""
+    from types import SimpleNamespace
+
+    from zephon_loader import packing
+    from zephon_loader.builders import build_text_loader
+
+    calls = []
+    check = packing._check_contract
+    monkeypatch.setattr(packing, "_check_contract", lambda contract: calls.append(contract) or check(contract))
+    config = {
+        "sources": [{"name": "a", "path": str(jsonl_sources["a"])}],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "sequence_length": 32,
+        "micro_batch_size": 2,
+        "runtime": {"runner": "threads"},
+    }
+    model_contract = None
+    if source == "model":
+        model_contract = SimpleNamespace(packed_mask_type="document_ids", requires_packed_sequence_metadata=True)
+    else:
+        config["contract"] = {"attn_implementation": "fa4"}
+    with build_text_loader(config, packing_contract=model_contract) as loader:
+        served = loader.settings.packing_contract
+    assert len(calls) == 1, calls
+    assert served == PackingContract("document_ids", True)

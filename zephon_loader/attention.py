@@ -4,6 +4,12 @@ This is seed ``000`` (``nemo_automodel.components.datasets.zephon.attention``):
 ``adapt_model_inputs`` → optional ``enable_xdoc_attention``, plus the
 construction-time ``require_supported_packing_contract``. Every function takes
 an owned mapping, replaces entries, and never writes into an existing tensor.
+
+Validation is separate from the transforms: :func:`check_training_batch`
+checks every TrainingBatch invariant; ``adapt_model_inputs`` and
+``enable_xdoc_attention`` run it on their input (a caller's batch), while
+:func:`attention_document_ids` and :func:`join_subdocuments` are the bare
+transforms the final map applies to what ``collate`` already guarantees.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any, Mapping, MutableMapping, NotRequired, Required, TypedDic
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.packing import validate_packing_contract
+from zephon_loader.packing import PackingContract, validate_packing_contract
 
 #: Default cap on a block-causal ``[B, 1, S, S]`` bool mask: 1 GiB per batch.
 DEFAULT_BLOCK_MASK_BUDGET_BYTES = 1 << 30
@@ -87,15 +93,26 @@ def _validate_positions(batch: Mapping[str, Any], batch_shape: tuple[int, int]) 
             f"{F.POSITION_IDS}: got rank {positions.ndim} shape {tuple(positions.shape)}, expected "
             "[batch, sequence] or [axes, batch, sequence] (mRoPE)"
         )
-    if positions.numel() and int(positions.min()) < 0:
-        raise ValueError(f"{F.POSITION_IDS}: got minimum {int(positions.min())}, expected nonnegative positions")
+    if positions.numel():
+        low = int(positions.min())
+        if low < 0:
+            raise ValueError(f"{F.POSITION_IDS}: got minimum {low}, expected nonnegative positions")
     return positions
 
 
+def padding_is_trailing(padding: torch.Tensor) -> bool:
+    """Whether every row of a bool ``[B, S]`` mask is False, then True to its end (one cheap pass).
+
+    A True → False step is the only decrease of the row read as 0/1 bytes.
+    """
+    if padding.shape[-1] < 2 or padding.numel() == 0:
+        return True
+    return int(padding.view(torch.int8).diff(dim=-1).min()) >= 0
+
+
 def _check_trailing_padding(padding: torch.Tensor) -> None:
-    interior = padding[:, :-1] & ~padding[:, 1:]
-    if bool(interior.any()):
-        b, s = (int(i) for i in torch.nonzero(interior)[0])
+    if not padding_is_trailing(padding):
+        b, s = (int(i) for i in torch.nonzero(padding[:, :-1] & ~padding[:, 1:])[0])
         raise ValueError(
             f"{F.PADDING_MASK}: row {b} has padding at column {s} followed by a token; "
             "expected padding only at the end of each row"
@@ -109,22 +126,89 @@ def _validate_document_ids(name: str, ids: torch.Tensor, padding: torch.Tensor) 
     low = int(ids.min())
     if low < 0:
         raise ValueError(f"{name}: got minimum {low}, expected nonnegative document ids")
-    if not torch.equal(ids == 0, padding):
-        b, s = (int(i) for i in torch.nonzero((ids == 0) != padding)[0])
+    zero = ids.logical_not()
+    if not torch.equal(zero, padding):
+        b, s = (int(i) for i in torch.nonzero(zero != padding)[0])
         raise ValueError(
             f"{name}: got id {int(ids[b, s])} at row {b}, column {s} where {F.PADDING_MASK} is "
             f"{bool(padding[b, s])}; expected 0 exactly at padding and a 1-based id elsewhere"
         )
     # Padding is trailing (checked by the caller) and 0 exactly there, so the only
-    # allowed decrease is the step into the padding tail.
-    steps = ids.diff(dim=1)
-    if steps.numel() and int(steps.masked_fill(padding[:, 1:], 0).min()) < 0:
-        decreasing = (steps < 0) & ~padding[:, 1:]
+    # allowed decrease is the step into the padding tail: a decrease ending on a nonzero id is an error.
+    decreasing = (ids.diff(dim=1) < 0) & ~padding[:, 1:]
+    if bool(decreasing.any()):
         b, s = (int(i) for i in torch.nonzero(decreasing)[0])
         raise ValueError(
             f"{name}: row {b} decreases at column {s + 1} (id {int(ids[b, s + 1])} after {int(ids[b, s])}); "
             "expected subdocument ids increasing left to right"
         )
+
+
+def check_training_batch(
+    batch: Mapping[str, Any], attention_eligibility: torch.Tensor | None = None
+) -> None:
+    """Check every TrainingBatch invariant the final map relies on (SPEC §4, §5).
+
+    ``collate`` guarantees these for the batches it builds; call this on any
+    other batch (a user's, one decoded from a saved state) before the bare
+    transforms (:func:`attention_document_ids`, :func:`join_subdocuments`,
+    :func:`zephon_loader.finalize.finalize_collated`).
+
+    Args:
+        batch: int64 ``input_ids``/``labels`` ``[B, S]``, bool ``padding_mask``
+            ``[B, S]`` (True = pad, trailing), integer ``position_ids``
+            ``[B, S]`` or ``[A, B, S]`` (nonnegative) and int64
+            ``document_ids`` ``[B, S]`` (1-based, nondecreasing along a row,
+            0 exactly at padding). Not modified.
+        attention_eligibility: Optional bool ``[B, S]``.
+
+    Raises:
+        ValueError: Wrong rank/shape, negative ids or positions, padding that
+            is not trailing, ids nonzero at padding or zero elsewhere, ids
+            decreasing along a row.
+        TypeError: Wrong dtype or non-tensor values.
+    """
+    input_ids = _tensor(batch, F.INPUT_IDS)
+    if input_ids.ndim != 2:
+        raise ValueError(f"{F.INPUT_IDS}: got shape {tuple(input_ids.shape)}, expected rank 2 [batch, sequence]")
+    _expect_dtype(F.INPUT_IDS, input_ids, (torch.int64,), "torch.int64")
+    shape = tuple(input_ids.shape)
+    labels = _tensor(batch, F.LABELS)
+    _expect_dtype(F.LABELS, labels, (torch.int64,), "torch.int64")
+    _expect_shape(F.LABELS, labels, shape, "[batch, sequence] like input_ids")
+    padding = _tensor(batch, F.PADDING_MASK)
+    _expect_dtype(F.PADDING_MASK, padding, (torch.bool,), "torch.bool (True = padding)")
+    _expect_shape(F.PADDING_MASK, padding, shape, "[batch, sequence] like input_ids")
+    _check_trailing_padding(padding)
+    _validate_positions(batch, shape)
+    ids = _tensor(batch, F.DOCUMENT_IDS)
+    _expect_dtype(F.DOCUMENT_IDS, ids, (torch.int64,), "torch.int64")
+    _expect_shape(F.DOCUMENT_IDS, ids, shape, "[batch, sequence] like input_ids")
+    _validate_document_ids(F.DOCUMENT_IDS, ids, padding)
+    if attention_eligibility is None:
+        return
+    if not isinstance(attention_eligibility, torch.Tensor):
+        raise TypeError(
+            f"{F.ATTENTION_ELIGIBILITY}: got {type(attention_eligibility).__name__}, expected a bool tensor"
+        )
+    _expect_dtype(F.ATTENTION_ELIGIBILITY, attention_eligibility, (torch.bool,), "torch.bool (True = eligible)")
+    _expect_shape(F.ATTENTION_ELIGIBILITY, attention_eligibility, shape, "[batch, sequence] like input_ids")
+
+
+def attention_document_ids(document_ids: torch.Tensor, attention_eligibility: torch.Tensor | None) -> torch.Tensor:
+    """The bare eligibility transform: ``document_ids`` where eligible, 0 elsewhere.
+
+    Args:
+        document_ids: int64 ``[B, S]``, 0 at padding (not validated here).
+        attention_eligibility: bool ``[B, S]`` or ``None`` (every token eligible).
+
+    Returns:
+        int64 ``[B, S]``: ``document_ids`` itself when ``attention_eligibility``
+        is ``None``, else a new tensor.
+    """
+    if attention_eligibility is None:
+        return document_ids
+    return torch.where(attention_eligibility, document_ids, 0)
 
 
 def adapt_model_inputs(
@@ -133,7 +217,7 @@ def adapt_model_inputs(
     """Prepare attention membership from collated document ids.
 
     Runs after ``to_training``, so ids already align with the shifted, padded
-    input tokens.
+    input tokens. Validates the batch first (:func:`check_training_batch`).
 
     Args:
         batch: Owned mapping with int64 ``input_ids``/``labels`` ``[B, S]``,
@@ -154,34 +238,8 @@ def adapt_model_inputs(
             padding or zero elsewhere, ids decreasing along a row.
         TypeError: Wrong dtype or non-tensor values.
     """
-    input_ids = _tensor(batch, F.INPUT_IDS)
-    if input_ids.ndim != 2:
-        raise ValueError(f"{F.INPUT_IDS}: got shape {tuple(input_ids.shape)}, expected rank 2 [batch, sequence]")
-    _expect_dtype(F.INPUT_IDS, input_ids, (torch.int64,), "torch.int64")
-    shape = tuple(input_ids.shape)
-    labels = _tensor(batch, F.LABELS)
-    _expect_dtype(F.LABELS, labels, (torch.int64,), "torch.int64")
-    _expect_shape(F.LABELS, labels, shape, "[batch, sequence] like input_ids")
-    padding = _tensor(batch, F.PADDING_MASK)
-    _expect_dtype(F.PADDING_MASK, padding, (torch.bool,), "torch.bool (True = padding)")
-    _expect_shape(F.PADDING_MASK, padding, shape, "[batch, sequence] like input_ids")
-    _check_trailing_padding(padding)
-    _validate_positions(batch, shape)
-    ids = _tensor(batch, F.DOCUMENT_IDS)
-    _expect_dtype(F.DOCUMENT_IDS, ids, (torch.int64,), "torch.int64")
-    _expect_shape(F.DOCUMENT_IDS, ids, shape, "[batch, sequence] like input_ids")
-    _validate_document_ids(F.DOCUMENT_IDS, ids, padding)
-
-    if attention_eligibility is None:
-        batch[F.ATTENTION_DOCUMENT_IDS] = ids
-        return batch  # type: ignore[return-value]
-    if not isinstance(attention_eligibility, torch.Tensor):
-        raise TypeError(
-            f"{F.ATTENTION_ELIGIBILITY}: got {type(attention_eligibility).__name__}, expected a bool tensor"
-        )
-    _expect_dtype(F.ATTENTION_ELIGIBILITY, attention_eligibility, (torch.bool,), "torch.bool (True = eligible)")
-    _expect_shape(F.ATTENTION_ELIGIBILITY, attention_eligibility, shape, "[batch, sequence] like input_ids")
-    batch[F.ATTENTION_DOCUMENT_IDS] = ids.masked_fill(~attention_eligibility, 0)
+    check_training_batch(batch, attention_eligibility)
+    batch[F.ATTENTION_DOCUMENT_IDS] = attention_document_ids(batch[F.DOCUMENT_IDS], attention_eligibility)
     return batch  # type: ignore[return-value]
 
 
@@ -237,14 +295,15 @@ def enable_xdoc_attention(batch: MutableMapping[str, Any], packing_contract: obj
 
 
 def join_subdocuments(batch: MutableMapping[str, Any]) -> TrainingBatch:
-    """The xdoc transform itself, on a batch already validated by :func:`adapt_model_inputs`.
+    """The bare xdoc transform, on a batch whose invariants are already known to hold.
 
-    Used by the final map, which validates each batch once; call
-    :func:`enable_xdoc_attention` on anything else.
+    Used by the final map (``collate`` guarantees the invariants, or
+    ``finalize_batch`` checked them); call :func:`enable_xdoc_attention` on
+    anything else.
     """
     ids = batch[F.DOCUMENT_IDS]
     positions = batch[F.POSITION_IDS]
-    batch[F.ATTENTION_DOCUMENT_IDS] = (batch[F.ATTENTION_DOCUMENT_IDS] != 0).to(torch.int64)
+    batch[F.ATTENTION_DOCUMENT_IDS] = batch[F.ATTENTION_DOCUMENT_IDS].clamp(max=1)  # ids are nonnegative
     batch[F.POSITION_IDS] = positions + subdocument_position_offsets(ids, positions).to(positions.dtype)
     return batch  # type: ignore[return-value]
 
@@ -262,11 +321,12 @@ def subdocument_position_offsets(document_ids: torch.Tensor, position_ids: torch
     batch_size = document_ids.shape[0]
     coords = position_ids if position_ids.ndim == 2 else position_ids.amax(dim=0)
     max_id = int(document_ids.max()) if document_ids.numel() else 0
-    # Column d holds max_coord(d) + 1 for present ids (0 for absent ids and the padding column 0).
-    spans = torch.zeros(batch_size, max_id + 1, dtype=torch.int64, device=document_ids.device)
-    spans.scatter_reduce_(1, document_ids, coords.to(torch.int64) + 1, reduce="amax", include_self=True)
-    spans[:, 0] = 0
-    offsets = spans.cumsum(dim=1) - spans  # exclusive prefix sum over ids; column 0 (padding) is 0
+    # Column d: max_coord(d) for present ids, -1 for absent ones; +1 makes it the span (absent: 0).
+    largest = torch.full((batch_size, max_id + 1), -1, dtype=coords.dtype, device=document_ids.device)
+    largest.scatter_reduce_(1, document_ids, coords, reduce="amax", include_self=True)
+    spans = largest.to(torch.int64).add_(1)
+    spans[:, 0] = 0  # the padding column
+    offsets = spans.cumsum(dim=1).sub_(spans)  # exclusive prefix sum over ids; column 0 (padding) is 0
     return offsets.gather(1, document_ids)
 
 
@@ -278,31 +338,51 @@ def require_supported_packing_contract(
     micro_batch_size: int | None = None,
     sequence_length: int | None = None,
     block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES,
-) -> None:
+) -> PackingContract:
     """Validate the model's packed interface once, at loader construction.
 
-    Builders call this before any Zephon source or worker starts; the contract
-    is fixed for the loader's life and never rechecked per batch.
+    Builders call this before any Zephon source or worker starts (through
+    :meth:`zephon_loader.finalize.FinalizeSettings.from_contract`); the
+    contract is fixed for the loader's life and never rechecked per batch.
 
     Args:
-        packing_contract: Object with ``packed_mask_type``,
-            ``requires_packed_sequence_metadata`` and optional ``qkv_format``.
+        packing_contract: A :class:`~zephon_loader.packing.PackingContract`
+            (checked when it was built), or any object with
+            ``packed_mask_type``, ``requires_packed_sequence_metadata`` and
+            optional ``qkv_format`` (checked now).
         attention_eligibility: Whether a processor supplies per-token eligibility.
         return_packed_sequence_metadata: The user asks for the gathered-token
             bundle (a contract that requires it gets it regardless).
         micro_batch_size, sequence_length: ``B`` and ``S``, to size a block-causal mask.
         block_mask_budget_bytes: Largest ``[B, 1, S, S]`` bool mask allowed per batch.
 
+    Returns:
+        The contract as a (frozen, validated) :class:`~zephon_loader.packing.PackingContract`.
+
     Raises:
         TypeError: Missing contract attributes or wrong types.
         ValueError: Unknown values, or a combination the loader cannot build
             (the message says what to use instead).
     """
-    mask_type, _requires, qkv_format = validate_packing_contract(packing_contract)
+    contract = PackingContract.of(packing_contract)
+    mask_type, qkv_format = contract.packed_mask_type, contract.qkv_format
     if not isinstance(return_packed_sequence_metadata, bool):
         raise TypeError(
             "return_packed_sequence_metadata: got "
             f"{type(return_packed_sequence_metadata).__name__}, expected bool"
+        )
+    if mask_type == "position_ids" and attention_eligibility:
+        raise ValueError(
+            "packing_contract.packed_mask_type: 'position_ids' (attn_implementation 'hf') lets the model derive "
+            "its mask from position_ids, which cannot exclude ineligible tokens inside a document, but an "
+            "eligibility field is configured; remove eligibility_field, or use an AutoModel attention "
+            "implementation with packed_mask_type 'document_ids' (+ metadata) or 'block_causal'"
+        )
+    if mask_type == "position_ids" and return_packed_sequence_metadata:
+        raise ValueError(
+            "return_packed_sequence_metadata: got True with packed_mask_type 'position_ids' (attn_implementation "
+            "'hf'); a stock Hugging Face model never reads packed_token_indices/cu_seqlens/max_seqlen; set it to "
+            "False, or use attn_implementation 'fa4' (document_ids + metadata) for a model that consumes them"
         )
     if attention_eligibility and mask_type == "flash_varlen":
         raise ValueError(
@@ -330,3 +410,4 @@ def require_supported_packing_contract(
                 "(with metadata for FA4), a smaller micro_batch_size/sequence_length, or raise "
                 "block_mask_budget_bytes"
             )
+    return contract

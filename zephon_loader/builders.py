@@ -33,6 +33,11 @@ from zephon_loader.source import (
 )
 
 
+    Returns:
+        The contract as a frozen :class:`~zephon_loader.packing.PackingContract`:
+        the model's is validated here (its one check), the YAML's was when the
+        configuration built it. Nothing downstream validates it again.
+
 def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> object:
     """The contract to serve: the model's (``packing_contract``) or the configured one.
 
@@ -41,24 +46,24 @@ def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) 
     layout the loader adds on top of the mask representation.
 
     Raises:
-        ValueError: Both are given and disagree on mask type or metadata (the
-            model's contract wins only when the YAML leaves ``contract`` unset).
+        TypeError/ValueError: The model's contract is malformed, or both are
+            given and disagree on mask type or metadata (the model's contract
+            wins only when the YAML leaves ``contract`` unset).
     """
     if packing_contract is None:
         return config.packing_contract()
-    model = validate_packing_contract(packing_contract)
+    model = PackingContract.of(packing_contract)
     if config.contract is None:
-        return packing_contract
-    configured = validate_packing_contract(config.packing_contract())
-    if not hasattr(packing_contract, "qkv_format") and configured[2] != model[2]:
-        packing_contract = PackingContract(model[0], model[1], configured[2])  # type: ignore[arg-type]
-        model = validate_packing_contract(packing_contract)
+        return model
+    configured = config.packing_contract()
+    if not hasattr(packing_contract, "qkv_format") and configured.qkv_format != model.qkv_format:
+        model = PackingContract(model.packed_mask_type, model.requires_packed_sequence_metadata, configured.qkv_format)
     if model != configured:
         raise ValueError(
-            f"dataloader.contract: the YAML asks for {configured} (mask type, metadata, qkv format) but the model "
-            f"requires {model}; remove 'contract' from the YAML to follow the model, or make them agree"
+            f"dataloader.contract: the YAML asks for {configured.fields} (mask type, metadata, qkv format) but the "
+            f"model requires {model.fields}; remove 'contract' from the YAML to follow the model, or make them agree"
         )
-    return packing_contract
+    return model
 
 
 def _save_recipe_tokenizer(tokenizer: Any) -> str:

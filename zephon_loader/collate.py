@@ -7,6 +7,12 @@ short batch Zephon delivers at each flush and at the end of the stream to
 ``B`` rows with all-padding rows. Everything is vectorized; nothing modifies
 a tensor or array it did not create.
 
+Collate owns Zephon's output: it is the one place that checks it (dtypes,
+shapes, nonnegative positions, trailing padding, ``IGNORE_INDEX`` labels at
+padding), each with one cheap pass, and it derives ``document_ids`` so that
+they are well formed by construction. The final map trusts this
+(:func:`zephon_loader.finalize.finalize_collated`).
+
 Shapes: Zephon packs rows of ``S + 1`` tokens; after the shift every
 per-token field is ``[B, S]``.
 """
@@ -19,6 +25,7 @@ import numpy as np
 import torch
 
 from zephon_loader import fields as F
+from zephon_loader.attention import padding_is_trailing
 from zephon_loader.source import ZephonKeys as Z
 
 __all__ = ["collate", "document_ids_from_positions", "next_token_starts_document"]
@@ -36,7 +43,7 @@ def _describe(t: Any) -> str:
 
 def _document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """Bool ``[B, S]``: True where a subdocument starts (position 0 on every axis, or column 0)."""
-    zero = position_ids == 0
+    zero = position_ids.logical_not()  # == 0, in a cheaper pass
     if position_ids.dim() == 3:
         zero = zero.all(dim=0)
     zero[:, 0] = True  # `zero` is a fresh tensor, never the caller's
@@ -45,7 +52,7 @@ def _document_starts(position_ids: torch.Tensor) -> torch.Tensor:
 
 def _ids_from_starts(starts: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
     """int64 ``[B, S]``: 1-based subdocument ids from bool starts, 0 at padding."""
-    return torch.cumsum(starts, dim=1, dtype=torch.int64).masked_fill(padding_mask, 0)
+    return torch.cumsum(starts, dim=1, dtype=torch.int64).masked_fill_(padding_mask, 0)  # our own fresh tensor
 
 
 def _next_starts(starts: torch.Tensor, last_next_starts: torch.Tensor) -> torch.Tensor:
@@ -62,10 +69,9 @@ def _check_positions(position_ids: Any, where: str) -> None:
         raise ValueError(
             _err(where, _describe(position_ids), "[B, S] or [A, B, S] with S >= 1", "Pass input-aligned positions.")
         )
-    if position_ids.numel() and bool((position_ids < 0).any()):
-        raise ValueError(
-            _err(where, f"minimum {int(position_ids.min())}", "nonnegative positions", "Positions are local per subdocument.")
-        )
+    low = int(position_ids.min()) if position_ids.numel() else 0
+    if low < 0:
+        raise ValueError(_err(where, f"minimum {low}", "nonnegative positions", "Positions are local per subdocument."))
 
 
 def _check_padding_mask(padding_mask: Any, shape: tuple[int, ...], where: str) -> None:
@@ -73,12 +79,30 @@ def _check_padding_mask(padding_mask: Any, shape: tuple[int, ...], where: str) -
         raise TypeError(_err(where, _describe(padding_mask), "a bool tensor (True = padding)", "Pass a bool mask."))
     if tuple(padding_mask.shape) != shape:
         raise ValueError(_err(where, _describe(padding_mask), f"shape {shape}", "Align the mask with the tokens."))
-    if shape[-1] > 1 and bool((padding_mask[:, :-1] & ~padding_mask[:, 1:]).any()):
+    if not padding_is_trailing(padding_mask):
         row = int((padding_mask[:, :-1] & ~padding_mask[:, 1:]).any(dim=1).nonzero()[0])
         raise ValueError(
             _err(where, f"a non-padding token after padding in row {row}", "trailing padding only",
                  "Padding must be the tail of each row.")
         )
+
+
+def _check_padding_labels(labels: torch.Tensor, padding_mask: torch.Tensor, where: str) -> None:
+    """``IGNORE_INDEX`` at every padding position; ``padding_mask`` is known to be trailing.
+
+    Only the widest pad tail of the batch (its last columns) is read.
+    """
+    widest = int(padding_mask.sum(dim=1).max()) if padding_mask.numel() else 0
+    if widest == 0:
+        return
+    first = padding_mask.shape[1] - widest
+    supervised = labels[:, first:].ne(F.IGNORE_INDEX).logical_and_(padding_mask[:, first:])
+    if bool(supervised.any()):
+        b, s = (int(i) for i in torch.nonzero(supervised)[0])
+        raise ValueError(_err(where, f"a supervised label at padding (row {b}, column {first + s}: "
+                                     f"{int(labels[b, first + s])})",
+                              f"{F.IGNORE_INDEX} at every padding position",
+                              "meta.padding_length disagrees with the padding mask; check the Zephon version."))
 
 
 def document_ids_from_positions(position_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
@@ -325,10 +349,7 @@ def collate(
     labels, positions, padding = out[Z.LABELS], out[Z.POSITIONS], out[Z.PADDING_MASK]
     _check_positions(positions, f"to_training()[{Z.POSITIONS!r}]")
     _check_padding_mask(padding, shape, f"to_training()[{Z.PADDING_MASK!r}]")
-    if bool((labels[padding] != F.IGNORE_INDEX).any()):
-        raise ValueError(_err(f"to_training()[{Z.LABELS!r}]", "a supervised label at padding",
-                              f"{F.IGNORE_INDEX} at every padding position",
-                              "meta.padding_length disagrees with the padding mask; check the Zephon version."))
+    _check_padding_labels(labels, padding, f"to_training()[{Z.LABELS!r}]")
     cu = out.get(Z.CU_SEQLENS)
     if physical_cu_seqlens and (
         not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 2 or cu.shape[0] != shape[0]
@@ -341,7 +362,7 @@ def collate(
     document_ids = _ids_from_starts(starts, padding)
     if mask_cross_document_labels:
         crossing = _next_starts(starts, _last_packed_position_is_zero(zephon_batch))
-        labels = torch.where(crossing, torch.full_like(labels, F.IGNORE_INDEX), labels)
+        labels = labels.masked_fill(crossing, F.IGNORE_INDEX)
 
     result: dict[str, torch.Tensor] = {
         F.INPUT_IDS: input_ids,

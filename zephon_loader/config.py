@@ -123,14 +123,18 @@ class ContractConfig:
     Attributes:
         attn_implementation: AutoModel attention name (``sdpa``, ``fa4``,
             ``flash_attention_2``, ``te``, ...), mapped like AutoModel's
-            ``get_packing_capabilities``.
+            ``get_packing_capabilities``; or ``hf`` for a stock Hugging Face
+            model (transformers >= 5, any kernel): no ``attention_mask``,
+            ``position_ids`` restarting at 0 per document, from which the
+            model derives the packed mask itself (packed mask type
+            ``position_ids``; no eligibility, no metadata).
         packed_mask_type: Explicit mask type (overrides the mapping where AutoModel lets the model decide).
         requires_packed_sequence_metadata: The model consumes the gathered-token bundle.
         qkv_format: ``bshd`` or ``thd`` (TE).
     """
 
     attn_implementation: str | None = None
-    packed_mask_type: Literal["block_causal", "document_ids", "flash_varlen"] | None = None
+    packed_mask_type: Literal["block_causal", "document_ids", "flash_varlen", "position_ids"] | None = None
     requires_packed_sequence_metadata: bool = False
     qkv_format: Literal["bshd", "thd"] = "bshd"
 

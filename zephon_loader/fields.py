@@ -19,6 +19,14 @@ requires metadata           ``packed_token_indices`` int64 ``[B, S]``,
                             ``cu_seqlens`` int32 ``[B, D + 1]``, ``max_seqlen``
 ``qkv_format == "thd"``     ``qkv_format``, ``seq_lens``/``seq_lens_padded``
                             int64 ``[B, max_docs]`` (``-1000`` sentinel)
+``position_ids`` (``hf``)   no ``attention_mask``: ``shift_labels`` (the same
+                            tensor as ``labels``, already shifted, so Hugging
+                            Face's loss does not shift again),
+                            ``use_cache=False`` (transformers derives the
+                            packed mask from ``position_ids`` only without a
+                            KV cache) and the ``flash_varlen`` fields (its
+                            flash kernels read packing from ``position_ids``
+                            only for a single flattened row)
 ==========================  ===================================================
 
 Always present: ``input_ids``, ``labels``, ``position_ids``, ``padding_mask``;
@@ -63,15 +71,20 @@ MAX_LENGTH_K: Final = "max_length_k"
 QKV_FORMAT: Final = "qkv_format"
 SEQ_LENS: Final = "seq_lens"
 SEQ_LENS_PADDED: Final = "seq_lens_padded"
+#: Hugging Face's name for labels already aligned with the logits (its loss does not shift them).
+SHIFT_LABELS: Final = "shift_labels"
+#: Hugging Face's KV-cache switch; ``False`` lets transformers derive the packed mask from positions.
+USE_CACHE: Final = "use_cache"
 
 #: Fields every yielded batch carries, whatever the contract.
 ALWAYS: Final[tuple[str, ...]] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
 
-#: Fields added per packed mask type (SPEC §6 table, first three rows).
+#: Fields added per packed mask type (SPEC §6 table).
 BY_MASK_TYPE: Final[dict[str, tuple[str, ...]]] = {
     "document_ids": (ATTENTION_MASK,),
     "block_causal": (ATTENTION_MASK,),
     "flash_varlen": (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K),
+    "position_ids": (SHIFT_LABELS, USE_CACHE, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K),
 }
 
 #: Fields added when the contract requires (or the user requests) packed metadata.
@@ -96,7 +109,7 @@ def yielded_fields(
     always present.
 
     Args:
-        packed_mask_type: ``"block_causal"``, ``"document_ids"`` or ``"flash_varlen"``.
+        packed_mask_type: ``"block_causal"``, ``"document_ids"``, ``"flash_varlen"`` or ``"position_ids"``.
         metadata: Whether the gathered-token metadata bundle is yielded.
         thd: Whether TE THD fields are yielded.
 

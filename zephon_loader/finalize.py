@@ -2,8 +2,19 @@
 
 One pure function of the batch and of settings fixed at loader construction::
 
-    adapt_model_inputs → [enable_xdoc_attention] → contract fields → [metadata] → [THD] → aliases
+    attention_document_ids → [join_subdocuments] → contract fields → [metadata] → [THD] → aliases
 
+Each property is validated once on the way from Zephon to the yield:
+
+* :func:`finalize_collated` is what the loader runs (``FinalMap``). It trusts
+  what ``collate`` guarantees (shapes, dtypes, trailing padding, nonnegative
+  positions, well-formed document ids) and checks only what no earlier stage
+  does (the ``position_ids`` contract's positions-vs-documents agreement).
+* :func:`finalize_batch` is the public entry for any other batch: it validates
+  everything first (:func:`~zephon_loader.attention.check_training_batch`),
+  then runs the same transform.
+
+The contract is validated once, by :meth:`FinalizeSettings.from_contract`.
 See SPEC §6 and the table in :mod:`zephon_loader.fields` for what each
 contract yields.
 """
@@ -18,16 +29,17 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import (
     DEFAULT_BLOCK_MASK_BUDGET_BYTES,
-    adapt_model_inputs,
+    attention_document_ids,
+    check_training_batch,
     join_subdocuments,
     require_supported_packing_contract,
 )
 from zephon_loader.packing import (
     DEFAULT_PACKED_SEQUENCE_CONTRACT,
+    PackingContract,
     build_packed_sequence_metadata,
     compact_left,
     document_lengths,
-    validate_packing_contract,
 )
 
 #: Internal keys the final map consumes; everything else not yielded by the
@@ -42,17 +54,19 @@ class FinalizeSettings:
     """Everything the final map needs, fixed (and validated) once per loader.
 
     Build it with :meth:`from_contract`, which runs
-    :func:`~zephon_loader.attention.require_supported_packing_contract`.
+    :func:`~zephon_loader.attention.require_supported_packing_contract` (the
+    one check of the contract on the way to the loader).
 
     Attributes:
-        packing_contract: The model's contract (duck-typed).
-        packed_mask_type: Normalized ``contract.packed_mask_type``.
+        packing_contract: The model's contract, as a frozen
+            :class:`~zephon_loader.packing.PackingContract`.
+        packed_mask_type: ``packing_contract.packed_mask_type``.
         metadata: Yield the gathered-token bundle (required by the contract or requested).
         thd: Yield TE THD fields (``contract.qkv_format == "thd"``).
         xdoc: Cross-document attention: join each row's subdocuments.
     """
 
-    packing_contract: Any
+    packing_contract: PackingContract
     packed_mask_type: str
     metadata: bool
     thd: bool
@@ -72,11 +86,20 @@ class FinalizeSettings:
     ) -> "FinalizeSettings":
         """Validate the contract for this loader and freeze the final-map settings.
 
+        Args:
+            packing_contract: A :class:`~zephon_loader.packing.PackingContract`
+                (validated when built: not checked again) or any duck-typed
+                contract (validated here).
+            xdoc, return_packed_sequence_metadata, attention_eligibility,
+            micro_batch_size, sequence_length, block_mask_budget_bytes: As
+                :func:`require_supported_packing_contract`; ``xdoc`` joins
+                each row's subdocuments.
+
         Raises:
             TypeError/ValueError: As :func:`require_supported_packing_contract`,
                 or ``xdoc`` not a bool.
         """
-        require_supported_packing_contract(
+        contract = require_supported_packing_contract(
             packing_contract,
             attention_eligibility=attention_eligibility,
             return_packed_sequence_metadata=return_packed_sequence_metadata,
@@ -86,12 +109,11 @@ class FinalizeSettings:
         )
         if not isinstance(xdoc, bool):
             raise TypeError(f"xdoc: got {type(xdoc).__name__} {xdoc!r}, expected bool")
-        mask_type, requires, qkv_format = validate_packing_contract(packing_contract)
         return cls(
-            packing_contract=packing_contract,
-            packed_mask_type=mask_type,
-            metadata=requires or return_packed_sequence_metadata,
-            thd=qkv_format == "thd",
+            packing_contract=contract,
+            packed_mask_type=contract.packed_mask_type,
+            metadata=contract.requires_packed_sequence_metadata or return_packed_sequence_metadata,
+            thd=contract.qkv_format == "thd",
             xdoc=xdoc,
         )
 
@@ -172,14 +194,105 @@ def thd_fields(ids: torch.Tensor) -> dict[str, Any]:
     return {F.QKV_FORMAT: "thd", F.SEQ_LENS: seq_lens, F.SEQ_LENS_PADDED: seq_lens_padded}
 
 
-def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict[str, Any]:
-    """Apply the final map stage to one collated batch.
+def hf_position_fields(
+    ids: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor, labels: torch.Tensor
+) -> dict[str, Any]:
+    """The ``position_ids`` contract (``attn_implementation: hf``): fields for a stock Hugging Face model.
+
+    transformers 5 (``masking_utils.find_packed_sequence_indices``) starts a
+    new sequence wherever ``position_ids[j] - position_ids[j - 1] != 1`` and
+    builds the block-causal mask from that, when no ``attention_mask`` is
+    passed and no KV cache is in use. This checks that its segmentation is
+    exactly the rows' documents at every non-padding token (a new document
+    starts at 0, positions step by 1 inside one; under xdoc the joined
+    positions continue across subdocuments, so a row is one sequence).
+    Padding columns are not compared: a pad token is only ever a key of later
+    pad tokens (the mask is causal and padding is trailing), so whatever
+    sequence transformers gives it cannot change a document's outputs; the
+    loader's pad tail restarts at 0 and is a sequence of its own.
+
+    The batch also carries :func:`flash_varlen_kwargs`: transformers' flash
+    kernels (``flash_attention_2/3``) infer packing from ``position_ids`` only
+    for a single flattened row (batch size 1) and otherwise run plain causal
+    attention over the row; given ``cu_seq_lens_q/k`` and ``max_length_q/k``
+    they run varlen attention over exactly these segments (the flattened
+    ``[B * S]`` layout they use). The sdpa, eager and flex paths ignore them.
 
     Args:
-        batch: A :class:`~zephon_loader.attention.TrainingBatch` from collate:
+        ids: int64 ``[B, S]`` attention document ids (0 at padding; no
+            eligibility holes: refused for this contract at construction).
+        positions: int64 ``[B, S]`` (multi-axis ``[A, B, S]`` is refused).
+        padding: bool ``[B, S]``, True at trailing padding.
+        labels: int64 ``[B, S]``, already shifted (``labels[j]`` = token ``j + 1``).
+
+    Returns:
+        ``shift_labels``: ``labels`` itself (Hugging Face's loss shifts
+        ``labels`` again unless ``shift_labels`` is given); ``use_cache``:
+        ``False`` (with a cache transformers ignores ``position_ids`` for
+        masking); ``cu_seq_lens_q/k``, ``max_length_q/k`` as
+        :func:`flash_varlen_kwargs` of ``ids``.
+
+    Raises:
+        ValueError: Multi-axis positions, or positions whose segmentation
+            differs from the documents (the row, column and values are named).
+    """
+    if positions.ndim != 2:
+        raise ValueError(
+            f"{F.POSITION_IDS}: got shape {tuple(positions.shape)} with packed_mask_type 'position_ids' "
+            "(attn_implementation 'hf'); transformers derives packed sequences from [batch, sequence] positions "
+            "only; use an AutoModel contract ('document_ids' or 'block_causal') for multi-axis (mRoPE) positions"
+        )
+    if ids.shape[1] > 1:
+        transformers_starts = positions.diff(dim=1) != 1
+        document_starts = ids.diff(dim=1).bool()
+        disagree = (transformers_starts != document_starts).logical_and_(~padding[:, 1:])
+        if bool(disagree.any()):
+            b, s = (int(i) for i in torch.nonzero(disagree)[0])
+            j = s + 1
+            what = "splits document" if bool(transformers_starts[b, s]) else "joins documents"
+            raise ValueError(
+                f"{F.POSITION_IDS}: row {b}, column {j}: positions {int(positions[b, s])} -> "
+                f"{int(positions[b, j])} with attention document ids {int(ids[b, s])} -> {int(ids[b, j])}; "
+                f"transformers starts a new sequence exactly where a position does not step by 1, so it "
+                f"{what} here; expected positions restarting at 0 at each document start and increasing by 1 "
+                "inside it (Zephon's pack_flat(emit_positions=True) output)"
+            )
+    return {F.SHIFT_LABELS: labels, F.USE_CACHE: False, **flash_varlen_kwargs(ids)}
+
+
+def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict[str, Any]:
+    """Apply the final map stage to one batch from anywhere, validating it first.
+
+    Args:
+        batch: A :class:`~zephon_loader.attention.TrainingBatch`:
             ``input_ids``, ``labels``, ``padding_mask``, ``position_ids``,
             ``document_ids`` and optionally bool ``attention_eligibility``
             ``[B, S]`` and Zephon's physical ``cu_seqlens``. Not modified.
+        settings: Fixed per loader (:meth:`FinalizeSettings.from_contract`).
+
+    Returns:
+        As :func:`finalize_collated`.
+
+    Raises:
+        ValueError/TypeError: Malformed batch (see
+            :func:`~zephon_loader.attention.check_training_batch`), or as
+            :func:`finalize_collated`.
+    """
+    check_training_batch(batch, batch.get(F.ATTENTION_ELIGIBILITY))
+    return finalize_collated(batch, settings)
+
+
+def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict[str, Any]:
+    """Apply the final map stage to a batch ``collate`` built (the loader's hot path).
+
+    Nothing ``collate`` guarantees is checked again: int64 ``[B, S]`` tokens,
+    labels and ``document_ids`` (1-based, nondecreasing, 0 exactly at
+    trailing padding), bool ``padding_mask``, nonnegative int64 positions,
+    bool eligibility. Pass anything else to :func:`finalize_batch`.
+
+    Args:
+        batch: A :class:`~zephon_loader.attention.TrainingBatch` from
+            :func:`zephon_loader.collate.collate`. Not modified.
         settings: Fixed per loader (:meth:`FinalizeSettings.from_contract`).
 
     Returns:
@@ -190,28 +303,31 @@ def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict
         unchanged.
 
     Raises:
-        ValueError/TypeError: Malformed batch (see ``adapt_model_inputs``), or
-            metadata requested for a batch without any valid token.
+        ValueError: Metadata requested for a batch without any valid token,
+            or (``position_ids`` contract) positions that do not delimit the
+            documents (:func:`hf_position_fields`).
     """
     work = dict(batch)
-    eligibility = work.pop(F.ATTENTION_ELIGIBILITY, None)
-    adapt_model_inputs(work, eligibility)
-    if settings.xdoc:  # validated by adapt_model_inputs above; the contract by from_contract
+    work[F.ATTENTION_DOCUMENT_IDS] = attention_document_ids(work[F.DOCUMENT_IDS], work.get(F.ATTENTION_ELIGIBILITY))
+    if settings.xdoc:
         join_subdocuments(work)
     ids: torch.Tensor = work[F.ATTENTION_DOCUMENT_IDS]
 
     out: dict[str, Any] = {name: work[name] for name in F.ALWAYS}
-    if settings.packed_mask_type == "document_ids":
+    mask_type = settings.packed_mask_type
+    if mask_type == "document_ids":
         out[F.ATTENTION_MASK] = ids
-    elif settings.packed_mask_type == "block_causal":
+    elif mask_type == "block_causal":
         out[F.ATTENTION_MASK] = block_causal_mask(ids)
-    else:
+    elif mask_type == "flash_varlen":
         out.update(flash_varlen_kwargs(ids))
+    else:
+        out.update(hf_position_fields(ids, work[F.POSITION_IDS], work[F.PADDING_MASK], work[F.LABELS]))
     if settings.metadata:
         out.update(build_packed_sequence_metadata(ids))
     if settings.thd:
         out.update(thd_fields(ids))
-    if settings.metadata or bool((ids > 1).any()):
+    if settings.metadata or (ids.numel() and int(ids.max()) > 1):
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():
         if name not in out and name not in _CONSUMED:

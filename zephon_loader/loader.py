@@ -8,7 +8,7 @@ The ``torchdata.nodes`` graph, one direction::
   taken only in ``state_dict()``.
 * :class:`~zephon_loader.readahead.ReadAhead`: ``collate``
   (``SampleBatch.to_training`` + document ids), then the final map
-  (:func:`~zephon_loader.finalize.finalize_batch`, then the recipe's
+  (:func:`~zephon_loader.finalize.finalize_collated`, then the recipe's
   ``collate_wrapper``) and pinning when CUDA is available; ``read_ahead``
   batches ahead in a background thread, or inline when ``read_ahead`` is 0.
 * The state is the loader's own, the same whatever ``read_ahead`` is:
@@ -28,7 +28,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from zephon_loader import fields as F
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
+from zephon_loader.attention import check_training_batch
+from zephon_loader.finalize import FinalizeSettings, finalize_collated
 from zephon_loader.handoff import LaneHandoff
 from zephon_loader.readahead import ReadAhead, decode_batch
 from zephon_loader.source import ZephonSource
@@ -48,6 +49,14 @@ _RETIRED_FORMATS = {
 class FinalMap:
     """The final map stage as a picklable callable: finalize, then the recipe's wrapper, then pinning.
 
+    It receives what the loader's collate function built and trusts what
+    :func:`~zephon_loader.collate.collate` guarantees
+    (:func:`~zephon_loader.finalize.finalize_collated`): each property is
+    validated once between Zephon and the yield, by collate. A batch from
+    anywhere else must be checked first
+    (:func:`~zephon_loader.attention.check_training_batch`, or use
+    :func:`~zephon_loader.finalize.finalize_batch`).
+
     Args:
         settings: Fixed per loader.
         collate_wrapper: AutoModel-style ``wrapper(collate_fn) -> collate_fn``;
@@ -63,7 +72,7 @@ class FinalMap:
         self.pin_memory = pin_memory
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        out = finalize_batch(batch, self.settings)
+        out = finalize_collated(batch, self.settings)
         if F.SOURCE_COUNTS in batch:  # accounting rides along to the yield, where the loader takes it out
             out[F.SOURCE_COUNTS] = batch[F.SOURCE_COUNTS]
         if self._wrapped is not None:

@@ -4,9 +4,16 @@ A *packing contract* is the model's statement of how it wants packed rows
 represented (SPEC §5). It is duck-typed like AutoModel 0.7.0's
 ``PackedSequenceContract``/``PackingCapabilities``: any object with
 
-* ``packed_mask_type``: ``"block_causal"``, ``"document_ids"`` or ``"flash_varlen"``;
+* ``packed_mask_type``: ``"block_causal"``, ``"document_ids"``, ``"flash_varlen"``
+  (AutoModel's three) or ``"position_ids"`` (stock Hugging Face models, which
+  derive the mask from ``position_ids`` themselves; ``attn_implementation: hf``);
 * ``requires_packed_sequence_metadata``: ``bool``;
 * optionally ``qkv_format``: ``"bshd"`` (default) or ``"thd"`` (Transformer Engine THD).
+
+A contract is validated once, where it enters the package: a
+:class:`PackingContract` checks its fields when it is constructed (and is
+frozen), and :meth:`PackingContract.of` turns any duck-typed contract into
+one. Everything downstream takes the :class:`PackingContract` as valid.
 
 The metadata helpers here are vectorized equivalents of AutoModel 0.7.0's
 ``build_packed_sequence_metadata`` and ``flatten_packed_sequence_metadata``:
@@ -16,17 +23,17 @@ same outputs, same sentinels, no Python loop over rows or documents.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol, TypedDict, runtime_checkable
+from typing import Any, Final, Literal, Protocol, TypedDict, runtime_checkable
 
 import torch
 import torch.nn.functional as tF
 
 from zephon_loader import fields as F
 
-PackedMaskType = Literal["block_causal", "document_ids", "flash_varlen"]
+PackedMaskType = Literal["block_causal", "document_ids", "flash_varlen", "position_ids"]
 QKVFormat = Literal["bshd", "thd"]
 
-PACKED_MASK_TYPES: Final[frozenset[str]] = frozenset({"block_causal", "document_ids", "flash_varlen"})
+PACKED_MASK_TYPES: Final[frozenset[str]] = frozenset({"block_causal", "document_ids", "flash_varlen", "position_ids"})
 QKV_FORMATS: Final[frozenset[str]] = frozenset({"bshd", "thd"})
 
 #: AutoModel 0.7.0 attention names that take HF flash varlen kwargs.
@@ -35,6 +42,9 @@ FLASH_ATTENTION_IMPLEMENTATIONS: Final[frozenset[str]] = frozenset(
 )
 #: Attention names AutoModel 0.7.0 maps to its default (block-causal) representation.
 DENSE_ATTENTION_IMPLEMENTATIONS: Final[frozenset[str]] = frozenset({"sdpa", "eager", "flex", "te"})
+#: Stock Hugging Face models (transformers >= 5, any of its attention kernels): no
+#: ``attention_mask``; the model derives the packed mask from ``position_ids``.
+HF_ATTENTION_IMPLEMENTATION: Final = "hf"
 
 
 @runtime_checkable
@@ -56,14 +66,20 @@ class PackedSequenceContract(Protocol):
 class PackingContract:
     """A concrete packing contract (what YAML and :func:`contract_for_attention` build).
 
+    Constructing one validates it (the only place a contract is checked);
+    it is frozen, so every later holder can trust its fields.
+
     Attributes:
         packed_mask_type: ``"block_causal"`` (bool ``[B, 1, S, S]`` mask),
-            ``"document_ids"`` (int64 ``[B, S]`` ids) or ``"flash_varlen"``
-            (HF varlen kwargs over physical segments).
+            ``"document_ids"`` (int64 ``[B, S]`` ids), ``"flash_varlen"``
+            (HF varlen kwargs over physical segments) or ``"position_ids"``
+            (no mask: a stock Hugging Face model derives the block-causal mask
+            from ``position_ids`` restarting at 0 per document).
         requires_packed_sequence_metadata: Yield ``packed_token_indices``,
-            ``cu_seqlens`` and ``max_seqlen`` (AutoModel's gathered-token bundle).
+            ``cu_seqlens`` and ``max_seqlen`` (AutoModel's gathered-token
+            bundle). Not with ``"position_ids"``.
         qkv_format: ``"bshd"``, or ``"thd"`` to also yield TE THD ``seq_lens``
-            and ``seq_lens_padded``.
+            and ``seq_lens_padded``. Not with ``"position_ids"``.
     """
 
     packed_mask_type: PackedMaskType = "block_causal"
@@ -71,11 +87,36 @@ class PackingContract:
     qkv_format: QKVFormat = "bshd"
 
     def __post_init__(self) -> None:
-        validate_packing_contract(self)
+        _check_contract(self)
+
+    @classmethod
+    def of(cls, contract: object) -> "PackingContract":
+        """The validated, frozen form of any contract (returned as is when it already is one).
+
+        Args:
+            contract: A :class:`PackingContract`, or any object with
+                ``packed_mask_type``, ``requires_packed_sequence_metadata`` and
+                optionally ``qkv_format`` (AutoModel's ``PackingCapabilities``;
+                a missing or ``None`` ``qkv_format`` means ``"bshd"``).
+
+        Raises:
+            TypeError/ValueError: As :func:`validate_packing_contract`.
+        """
+        if type(contract) is cls:
+            return contract  # type: ignore[return-value]
+        return cls(*_contract_fields(contract))  # type: ignore[arg-type]  # __post_init__ checks the values
+
+    @property
+    def fields(self) -> tuple[str, bool, str]:
+        """``(packed_mask_type, requires_packed_sequence_metadata, qkv_format)``."""
+        return self.packed_mask_type, self.requires_packed_sequence_metadata, self.qkv_format
 
 
 def validate_packing_contract(contract: object) -> tuple[str, bool, str]:
     """Check a duck-typed contract and return its normalized fields.
+
+    A :class:`PackingContract` was checked when it was constructed: its fields
+    are returned without checking again.
 
     Args:
         contract: Any object with ``packed_mask_type``,
@@ -87,8 +128,16 @@ def validate_packing_contract(contract: object) -> tuple[str, bool, str]:
 
     Raises:
         TypeError: A required attribute is missing or has the wrong type.
-        ValueError: An attribute has an unknown value.
+        ValueError: An attribute has an unknown value, or ``"position_ids"``
+            with metadata or ``qkv_format`` ``"thd"``.
     """
+    if type(contract) is PackingContract:
+        return contract.fields
+    return _check_contract(contract)
+
+
+def _contract_fields(contract: object) -> tuple[Any, Any, Any]:
+    """The three raw fields of a duck-typed contract (``qkv_format`` missing or ``None`` → ``"bshd"``)."""
     name = type(contract).__name__
     for attribute in ("packed_mask_type", "requires_packed_sequence_metadata"):
         if not hasattr(contract, attribute):
@@ -97,20 +146,39 @@ def validate_packing_contract(contract: object) -> tuple[str, bool, str]:
                 "packed_mask_type and requires_packed_sequence_metadata (e.g. AutoModel's "
                 "PackingCapabilities or zephon_loader.PackingContract)"
             )
-    mask_type = contract.packed_mask_type  # type: ignore[attr-defined]
+    return (
+        contract.packed_mask_type,  # type: ignore[attr-defined]
+        contract.requires_packed_sequence_metadata,  # type: ignore[attr-defined]
+        getattr(contract, "qkv_format", None) or "bshd",
+    )
+
+
+def _check_contract(contract: object) -> tuple[str, bool, str]:
+    mask_type, requires, qkv_format = _contract_fields(contract)
     if not isinstance(mask_type, str) or mask_type not in PACKED_MASK_TYPES:
         raise ValueError(
             f"packing_contract.packed_mask_type: got {mask_type!r}, expected one of {sorted(PACKED_MASK_TYPES)}"
         )
-    requires = contract.requires_packed_sequence_metadata  # type: ignore[attr-defined]
     if not isinstance(requires, bool):
         raise TypeError(
             "packing_contract.requires_packed_sequence_metadata: got "
             f"{type(requires).__name__} {requires!r}, expected bool"
         )
-    qkv_format = getattr(contract, "qkv_format", None) or "bshd"
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"packing_contract.qkv_format: got {qkv_format!r}, expected one of {sorted(QKV_FORMATS)}")
+    if mask_type == "position_ids" and requires:
+        raise ValueError(
+            "packing_contract.requires_packed_sequence_metadata: got True with packed_mask_type 'position_ids' "
+            "(attn_implementation 'hf'); a stock Hugging Face model never reads the gathered-token bundle "
+            "(packed_token_indices, cu_seqlens, max_seqlen), it derives the mask from position_ids; set it to "
+            "False, or use attn_implementation 'fa4' (document_ids + metadata) for a model that consumes it"
+        )
+    if mask_type == "position_ids" and qkv_format == "thd":
+        raise ValueError(
+            "packing_contract.qkv_format: got 'thd' with packed_mask_type 'position_ids' (attn_implementation "
+            "'hf'); THD is Transformer Engine's packed layout, which stock Hugging Face models do not take; use "
+            "qkv_format 'bshd', or attn_implementation 'te' for THD"
+        )
     return mask_type, requires, qkv_format
 
 
@@ -132,6 +200,11 @@ def contract_for_attention(
     * ``flash_attention_2/3/4``: ``flash_varlen``.
     * ``sdpa``, ``eager``, ``flex``, ``te``: the model's own ``packed_mask_type``
       when it declares one, else ``block_causal``.
+    * ``hf`` (not an AutoModel name): ``position_ids`` — for stock Hugging
+      Face models (transformers >= 5, any kernel), which build the packed
+      block-causal mask themselves from ``position_ids`` restarting at 0 per
+      document when no ``attention_mask`` is passed and no KV cache is in use
+      (the batch carries ``use_cache=False``). No metadata, no eligibility.
 
     Args:
         attn_implementation: The model's attention implementation name.
@@ -142,17 +215,26 @@ def contract_for_attention(
         qkv_format: ``"thd"`` to yield TE THD fields (``te`` only).
 
     Raises:
-        ValueError: Unknown attention name, or ``thd`` with a backend other than ``te``.
+        ValueError: Unknown attention name, ``thd`` with a backend other than
+            ``te``, or ``hf`` with metadata or another ``packed_mask_type``.
     """
-    if attn_implementation == "fa4":
-        mask_type: str = "document_ids"
+    if attn_implementation == HF_ATTENTION_IMPLEMENTATION:
+        if packed_mask_type not in (None, "position_ids"):
+            raise ValueError(
+                f"packed_mask_type: got {packed_mask_type!r} with attn_implementation 'hf'; a stock Hugging Face "
+                "model derives its packed mask from position_ids ('position_ids'); remove packed_mask_type, or "
+                "name the model's AutoModel attention implementation instead of 'hf'"
+            )
+        mask_type: str = "position_ids"
+    elif attn_implementation == "fa4":
+        mask_type = "document_ids"
         requires_packed_sequence_metadata = True
     elif attn_implementation in FLASH_ATTENTION_IMPLEMENTATIONS:
         mask_type = "flash_varlen"
     elif attn_implementation in DENSE_ATTENTION_IMPLEMENTATIONS:
         mask_type = packed_mask_type or "block_causal"
     else:
-        known = sorted(FLASH_ATTENTION_IMPLEMENTATIONS | DENSE_ATTENTION_IMPLEMENTATIONS | {"fa4"})
+        known = sorted(FLASH_ATTENTION_IMPLEMENTATIONS | DENSE_ATTENTION_IMPLEMENTATIONS | {"fa4", "hf"})
         raise ValueError(f"attn_implementation: got {attn_implementation!r}, expected one of {known}")
     if qkv_format == "thd" and attn_implementation != "te":
         raise ValueError(
@@ -258,17 +340,21 @@ def build_packed_sequence_metadata(attention_document_ids: torch.Tensor) -> Pack
             "expected at least one token that is neither padding nor ineligible"
         )
     batch_size, sequence_length = ids.shape
-    valid = ids != 0
-    columns = torch.arange(sequence_length, device=ids.device).expand(batch_size, -1)
-    packed_token_indices = torch.where(valid, columns, torch.full_like(columns, -1))
+    # `ids.bool()` is a cheaper pass than `ids != 0`; a scalar `other` avoids a [B, S] fill.
+    valid = ids.bool()
+    packed_token_indices = torch.where(valid, torch.arange(sequence_length, device=ids.device), -1)
 
-    counts = document_lengths(ids, high)  # [B, D]
-    present = counts > 0
-    cumulative = counts.cumsum(dim=1).to(torch.int32)
-    width = counts.shape[1] + 1
-    with_zero = torch.cat([torch.zeros(batch_size, 1, dtype=torch.int32, device=ids.device), cumulative], dim=1)
-    keep = torch.cat([torch.ones(batch_size, 1, dtype=torch.bool, device=ids.device), present], dim=1)
-    cu_seqlens = compact_left(with_zero, keep, -1, width)
+    # Column d of `counts` holds the token count of id d (column 0, excluded tokens, is zeroed):
+    # its running sum is [0, c_1, c_1 + c_2, ...], i.e. cu_seqlens before absent ids are skipped.
+    if high == 1:  # one id per row (xdoc's joined rows, single documents): its count is the row's valid tokens
+        counts = tF.pad(valid.sum(dim=1, keepdim=True), (1, 0))
+    else:
+        counts = torch.zeros(batch_size, high + 1, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(1, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int64))
+        counts[:, 0] = 0
+    keep = counts > 0
+    keep[:, 0] = True  # the leading 0 of every row
+    cu_seqlens = compact_left(counts.cumsum(dim=1, dtype=torch.int32), keep, -1, high + 1)
     return {
         F.PACKED_TOKEN_INDICES: packed_token_indices,
         F.CU_SEQLENS: cu_seqlens,
