@@ -8,7 +8,7 @@ both sides, building excluded on both), alternating
 rounds so machine noise hits both sides alike. Prints non-padding tokens/s
 per side (median over rounds) and the ratio loader / direct. Goal: >= 0.95.
 
-"direct" = ``build_pipeline`` → ``iter`` → ``SampleBatch.to_training(
+"direct" = ``pipeline.build_pipeline`` → ``iter`` → ``SampleBatch.to_training(
 return_labels=True, return_padding_mask=True)``: the least a training loop
 on Zephon must do. "loader" adds document ids, the final
 map for the configured contract, read-ahead and the torchdata graph.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,35 +29,25 @@ from zephon_loader import fields as F
 from zephon_loader.builders import build_text_loader
 from zephon_loader.config import read_loader_config
 from zephon_loader.config import default_config_path
-from zephon_loader.source import SourceSpec, build_pipeline
+from zephon_loader.pipeline import build_pipeline
 
 
 def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
     cfg = read_loader_config(config_path)
-    pipeline = build_pipeline(
-        [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources],
-        seq_len=cfg.sequence_length,
-        micro_batch_size=cfg.micro_batch_size,
-        tokenizer=str(cfg.resolve_path(cfg.tokenizer.path)),
-        text_field=cfg.tokenizer.text_field,
-        packing_algorithm=cfg.packing.algorithm,
-        num_bins=cfg.packing.num_bins,
-        seed=cfg.seed,
-        shuffle=cfg.shuffle,
-        runtime_options=cfg.runtime.options() or None,
-    )
-    tokens = batches = 0
-    start = time.perf_counter()
-    for _ in range(passes):
-        iterator = iter(pipeline)
-        try:
-            for batch in iterator:
-                out = batch.to_training(return_labels=True, return_padding_mask=True)
-                tokens += int((~out["padding_mask"]).sum())
-                batches += 1
-        finally:
-            iterator.close()
-    return tokens / (time.perf_counter() - start), batches
+    with tempfile.TemporaryDirectory(prefix="bench_loader_") as work_dir:
+        pipeline = build_pipeline(cfg, work_dir=work_dir).pipeline
+        tokens = batches = 0
+        start = time.perf_counter()
+        for _ in range(passes):
+            iterator = iter(pipeline)
+            try:
+                for batch in iterator:
+                    out = batch.to_training(return_labels=True, return_padding_mask=True)
+                    tokens += int((~out["padding_mask"]).sum())
+                    batches += 1
+            finally:
+                iterator.close()
+        return tokens / (time.perf_counter() - start), batches
 
 
 def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None = None) -> tuple[float, int]:
@@ -66,7 +57,9 @@ def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None =
         config = dataclasses.replace(config, read_ahead=read_ahead)
     with build_text_loader(config) as loader:
         start = time.perf_counter()  # like the direct side: timed from the first iter(), not from building
-        for _ in range(passes):  # each iter() is a new pass from the start
+        for _ in range(passes):
+            # The same pass (epoch 0) each time, like the direct side: a new epoch would rebuild the pipeline.
+            loader.set_epoch(0)
             for batch in loader:
                 tokens += int((~batch[F.PADDING_MASK]).sum())
                 batches += 1

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import make_texts, train_tokenizer, write_jsonl_shards  # noqa: E402
+from conftest import make_texts, train_tokenizer, write_jsonl_shards, zephon_pipeline  # noqa: E402
 from process_trainer import StallFrom, TrainerProcess, loader_config  # noqa: E402
 
 
@@ -71,12 +71,9 @@ def sigkill(config: dict, folder: Path) -> dict[str, float]:
 
 def stuck_close(data: Path, tokenizer: Path) -> float:
     """Seconds ``close()`` takes after a loop error while a transform worker sleeps in doc150 (one shard, in order)."""
-    from zephon_loader.source import ZephonSource, build_pipeline
+    from zephon_loader.source import ZephonSource
 
-    pipeline = build_pipeline(
-        [{"name": "web", "path": str(data)}], seq_len=32, micro_batch_size=2, tokenizer=str(tokenizer),
-        packing_algorithm="wrap", shuffle=False, transform=StallFrom(150), runtime_options={"runner": "process"},
-    )
+    pipeline = zephon_pipeline({**loader_config(data, tokenizer), "shuffle": False}, transform=StallFrom(150))
     source = ZephonSource(pipeline)
     reader = threading.Thread(target=lambda: (source.reset(), source.next(), source.next()), daemon=True)
     reader.start()

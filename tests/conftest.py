@@ -12,6 +12,7 @@ inside ``tests/`` because pytest puts the rootdir-relative test folder on
 * :func:`make_texts` — deterministic documents of varied length
 * :func:`train_tokenizer` — tiny BPE saved to a directory
 * :func:`write_jsonl_shards` / :func:`write_parquet_shards` — records -> shard files
+* :func:`zephon_pipeline` — a ``zephon.Pipeline`` from loader-config keys (``build_pipeline``)
 """
 
 from __future__ import annotations
@@ -81,6 +82,27 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike[str], *, vo
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     return out
+
+
+def zephon_pipeline(config: Mapping[str, Any] | Any, *, work_dir: str | os.PathLike[str] | None = None,
+                    **kwargs: Any) -> Any:
+    """The ``zephon.Pipeline`` :func:`zephon_loader.pipeline.build_pipeline` builds for loader-config keys.
+
+    Args:
+        config: A ``TextLoaderConfig`` or its keys as plain values, e.g.
+            ``{"sources": [{"name": "a", "path": p}], "sequence_length": 32,
+            "micro_batch_size": 4, "tokenizer": {"path": tok}}``.
+        work_dir: Folder for the drop log and saved tokenizer (default: a new temporary folder).
+        kwargs: Further ``build_pipeline`` keywords (``dp``, ``seed``, ``transform``).
+    """
+    import tempfile
+
+    from zephon_loader.config import TextLoaderConfig, text_loader_config
+    from zephon_loader.pipeline import build_pipeline
+
+    cfg = config if isinstance(config, TextLoaderConfig) else text_loader_config(**config)
+    work_dir = work_dir if work_dir is not None else tempfile.mkdtemp(prefix="zephon_loader_test_")
+    return build_pipeline(cfg, work_dir=work_dir, **kwargs).pipeline
 
 
 def collect(loader: Iterable[Any], limit: int | None = None) -> list[Any]:

@@ -9,9 +9,10 @@ import pytest
 import torch
 from zephon import SampleBatch, SampleMeta, SampleRecord
 
+from conftest import zephon_pipeline
 from zephon_loader import fields as F
 from zephon_loader.collate import collate, document_ids_from_positions, next_token_starts_document
-from zephon_loader.source import SourceSpec, ZephonKeys, ZephonSource, build_pipeline
+from zephon_loader.source import ZephonKeys, ZephonSource
 
 L = 32
 B = 4
@@ -76,15 +77,18 @@ def assert_payload_unchanged(batch: SampleBatch, before: list[dict[str, np.ndarr
 def real_batches(jsonl_sources, tokenizer_dir, pretokenized_parquet_source) -> dict[str, list[SampleBatch]]:
     out = {}
     for alg in ("first_fit", "wrap"):
-        pipeline = build_pipeline(
-            [SourceSpec("a", jsonl_sources["a"], 1.0), SourceSpec("b", jsonl_sources["b"], 2.0)],
-            seq_len=L, micro_batch_size=B, tokenizer=tokenizer_dir, packing_algorithm=alg, seed=5,
-        )
+        pipeline = zephon_pipeline({
+            "sources": [{"name": "a", "path": str(jsonl_sources["a"]), "weight": 1.0},
+                        {"name": "b", "path": str(jsonl_sources["b"]), "weight": 2.0}],
+            "sequence_length": L, "micro_batch_size": B, "tokenizer": {"path": str(tokenizer_dir)},
+            "packing": {"algorithm": alg}, "seed": 5,
+        })
         out[alg] = list(ZephonSource(pipeline))
-    pipeline = build_pipeline(
-        [SourceSpec("tok", pretokenized_parquet_source)], seq_len=L, micro_batch_size=B,
-        pretokenized_field="tokens", eligibility_field="elig", pad_token_id=0,
-    )
+    pipeline = zephon_pipeline({
+        "sources": [{"name": "tok", "path": str(pretokenized_parquet_source)}],
+        "sequence_length": L, "micro_batch_size": B, "tokenizer": {"pretokenized_field": "tokens"},
+        "eligibility_field": "elig", "pad_token_id": 0,
+    })
     out["eligibility"] = list(ZephonSource(pipeline))
     return out
 
@@ -161,10 +165,11 @@ def test_real_cross_document_labels(real_batches, tokenizer):
 def test_real_chat_loss_mask(chat_source, tokenizer_dir):
     from conftest import CHAT_TEMPLATE
 
-    pipeline = build_pipeline(
-        [SourceSpec("chat", chat_source)], seq_len=64, micro_batch_size=2, tokenizer=tokenizer_dir,
-        chat_field="messages", chat_template=CHAT_TEMPLATE, packing_algorithm="first_fit",
-    )
+    pipeline = zephon_pipeline({
+        "sources": [{"name": "chat", "path": str(chat_source)}], "sequence_length": 64, "micro_batch_size": 2,
+        "tokenizer": {"path": str(tokenizer_dir), "chat_field": "messages", "chat_template": CHAT_TEMPLATE},
+        "packing": {"algorithm": "first_fit"},
+    })
     with ZephonSource(pipeline) as source:
         batch = next(source)
     out = collate(batch, mask_cross_document_labels=True)

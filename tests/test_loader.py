@@ -11,10 +11,9 @@ import pytest
 import torch
 import yaml
 
-from conftest import collect
+from conftest import collect, zephon_pipeline
 from zephon_loader import fields as F
 from zephon_loader.builders import build_text_loader
-from zephon_loader.source import build_pipeline
 
 CONTRACTS = {
     "document_ids": {"packed_mask_type": "document_ids"},
@@ -43,17 +42,9 @@ def config(sources, tokenizer_dir, **overrides):
     return base
 
 
-def direct_input_tokens(cfg, tokenizer_dir) -> list[torch.Tensor]:
+def direct_input_tokens(cfg) -> list[torch.Tensor]:
     """What Zephon + to_training produce for the same config, without the loader (the reference stream)."""
-    pipeline = build_pipeline(
-        [dict(s) for s in cfg["sources"]],
-        seq_len=cfg["sequence_length"],
-        micro_batch_size=cfg["micro_batch_size"],
-        tokenizer=str(tokenizer_dir),
-        packing_algorithm=cfg.get("packing", {}).get("algorithm", "first_fit"),
-        seed=cfg["seed"],
-        runtime_options={"runner": "threads"},
-    )
+    pipeline = zephon_pipeline(cfg)
     out = []
     iterator = iter(pipeline)
     try:
@@ -86,7 +77,7 @@ def test_yielded_batches_follow_contract_and_keep_every_token(
     with build_text_loader(cfg) as loader:
         batches = collect(loader)
     assert batches, "the loader yielded nothing"
-    reference = direct_input_tokens(cfg, tokenizer_dir)
+    reference = direct_input_tokens(cfg)
     assert len(batches) == len(reference)
     for batch, expected in zip(batches, reference):
         for name in loader.yielded_fields:
@@ -159,17 +150,20 @@ def test_resume_is_exact(sources, tokenizer_dir, read_ahead, codec):
                     assert got[name] == want[name], (k, name)
 
 
-def test_checkpoint_is_called_only_for_state_dict(sources, tokenizer_dir):
+def test_checkpoint_is_called_only_for_state_dict(sources, tokenizer_dir, monkeypatch):
+    import zephon
+
     cfg = config(sources, tokenizer_dir, read_ahead=2)
+    calls = []
+    original = zephon.Pipeline.checkpoint
+
+    def spy(self):
+        calls.append(1)
+        return original(self)
+
+    # On the class: the pass after an exhausted one reads the next epoch, on a new pipeline.
+    monkeypatch.setattr(zephon.Pipeline, "checkpoint", spy)
     with build_text_loader(cfg) as loader:
-        calls = []
-        original = loader.pipeline.checkpoint
-
-        def spy():
-            calls.append(1)
-            return original()
-
-        loader.pipeline.checkpoint = spy
         batches = collect(loader)
         assert len(batches) > 5 and calls == []
         it = iter(loader)
@@ -247,7 +241,8 @@ def _errors_before_start(cfg, error, match):
         ({"packing": {"algorithm": "greedy"}}, ValueError, r"dataloader\.packing\.algorithm: got 'greedy'"),
         ({"contract": {"packed_mask_type": "causal"}}, ValueError, r"dataloader\.contract\.packed_mask_type: got 'causal'"),
         ({"contract": {"packed_mask_type": "block_causal"}, "micro_batch_size": 3, "block_mask_budget_bytes": 100}, ValueError, "over the budget"),
-        ({"contract": {"attn_implementation": "flash_attention_2"}, "eligibility_field": "keep"}, ValueError, "flash_varlen.*eligibility"),
+        ({"contract": {"attn_implementation": "flash_attention_2"}, "eligibility_field": "keep",
+          "tokenizer": {"pretokenized_field": "tokens"}, "pad_token_id": 0}, ValueError, "flash_varlen.*eligibility"),
         ({"tokenizer": {"path": "gpt2"}}, ValueError, "tokenizer"),
         ({"tokenizer": {}}, ValueError, "tokenizer"),
     ],

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import collect, write_jsonl_shards
+from conftest import collect, write_jsonl_shards, zephon_pipeline
 from zephon_loader import build_text_loader
 from zephon_loader import fields as F
 
@@ -259,7 +259,7 @@ def passes_are_whole(drawn: list[tuple], count: int) -> bool:
 
 @pytest.mark.parametrize("mixture", list(MIXTURES))
 def test_accepted_chunk_sizes_read_every_pass_whole_in_zephon(corpora, mixture):
-    from zephon_loader.source import _largest_servable_chunk_size, _shares, _whole_passes, choose_chunk_size
+    from zephon_loader.work_source import _largest_servable_chunk_size, _shares, _whole_passes, choose_chunk_size
 
     counts, weights = MIXTURES[mixture]
     shares = _shares(weights)
@@ -279,7 +279,7 @@ def test_accepted_chunk_sizes_read_every_pass_whole_in_zephon(corpora, mixture):
 
 
 def test_choose_chunk_size():
-    from zephon_loader.source import DEFAULT_CHUNK_SIZE, choose_chunk_size
+    from zephon_loader.work_source import DEFAULT_CHUNK_SIZE, choose_chunk_size
 
     assert choose_chunk_size([150, 70], [1.0, 1.0]) == 20  # 10 of each per chunk; 10 divides 150 and 70
     assert choose_chunk_size([150, 70], [1.0, 1.0], upper=19) == 10
@@ -296,7 +296,7 @@ def test_explicit_chunk_size_that_skips_records_is_refused(corpora):
     cfg = config(corpora["two_1:1"], weights, "first_fit", False, chunk_size=138)
     with pytest.raises(ValueError, match=r"chunk_size: got 138.*sources\[0\] \('s0'\): it draws 69 records per chunk, "
                                          r"so the last 12 of its 150 records would be skipped in every pass.*"
-                                         r"chunk_size=None \(picks 20 here\)\.$"):
+                                         r"Set chunk_size: null \(picks 20 here\)\.$"):
         build_text_loader(cfg)
     with build_text_loader(config(corpora["two_1:1"], weights, "first_fit", False, chunk_size=10)) as loader:
         deliveries(collect(loader), counts)
@@ -320,14 +320,11 @@ def test_flushes_inside_a_pass_lose_nothing(corpora, algorithm):
     """Zephon flushes packing and batching every ``flush_every_k_chunks`` chunks: the partial row and the
     short batch each flush leaves are delivered (the batch padded to B rows by collate)."""
     from zephon_loader.collate import collate
-    from zephon_loader.source import SourceSpec, ZephonSource, build_pipeline
+    from zephon_loader.source import ZephonSource
 
     counts, weights = MIXTURES["two_1:1"]
-    pipeline = build_pipeline(
-        [SourceSpec(f"s{i}", p, w) for i, (p, w) in enumerate(zip(corpora["two_1:1"], weights))],
-        seq_len=S, micro_batch_size=B, pretokenized_field="ids", pad_token_id=PAD, packing_algorithm=algorithm,
-        chunk_size=4, seed=5, runtime_options={"runner": "threads", "flush_every_k_chunks": 1},
-    )
+    pipeline = zephon_pipeline(config(corpora["two_1:1"], weights, algorithm, True, chunk_size=4, seed=5))
+    pipeline.options(flush_every_k_chunks=1)  # Zephon's own option: flush after every chunk
     with ZephonSource(pipeline) as source:
         raw = list(source)
     assert sum(len(batch.records) < B for batch in raw) > 1, "flushes must leave short batches inside the pass"

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from conftest import write_jsonl_shards
+from conftest import write_jsonl_shards, zephon_pipeline
 from process_trainer import StallFrom, TrainerProcess, exit_zero_if_environ, loader_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and pidfds")
@@ -77,14 +77,16 @@ def test_ctrl_c_reaches_the_loop_and_close_ends_every_worker(text_dir: Path, tok
 
 
 def test_close_after_a_loop_error_with_a_stuck_worker(tmp_path: Path, corpus_texts: list[str], tokenizer_dir: Path) -> None:
-    from zephon_loader.source import ZephonSource, build_pipeline
+    from zephon_loader.source import ZephonSource
 
     # One shard, no shuffle: records reach the transform in order, in Zephon's fetch
     # microbatches of 64, so doc150 (third microbatch) stalls after the first batches.
     data = write_jsonl_shards(tmp_path / "one_shard", [{"text": t} for t in corpus_texts], shards=1)
-    pipeline = build_pipeline(
-        [{"name": "web", "path": str(data)}], seq_len=32, micro_batch_size=2, tokenizer=str(tokenizer_dir),
-        packing_algorithm="wrap", shuffle=False, transform=StallFrom(150), runtime_options={"runner": "process"},
+    pipeline = zephon_pipeline(
+        {"sources": [{"name": "web", "path": str(data)}], "sequence_length": 32, "micro_batch_size": 2,
+         "tokenizer": {"path": str(tokenizer_dir)}, "packing": {"algorithm": "wrap"}, "shuffle": False,
+         "runtime": {"runner": "process"}},
+        transform=StallFrom(150),
     )
     source = ZephonSource(pipeline)
     contained = pipeline._options.mp_context
@@ -116,11 +118,12 @@ def test_close_after_a_loop_error_with_a_stuck_worker(tmp_path: Path, corpus_tex
 
 
 def test_cancel_unblocks_a_reader_waiting_in_zephon(text_dir: Path, tokenizer_dir: Path) -> None:
-    from zephon_loader.source import ZephonSource, build_pipeline
+    from zephon_loader.source import ZephonSource
 
-    pipeline = build_pipeline(
-        [{"name": "web", "path": str(text_dir)}], seq_len=32, micro_batch_size=2, tokenizer=str(tokenizer_dir),
-        transform=StallFrom(0), runtime_options={"runner": "process"},  # no batch ever comes
+    pipeline = zephon_pipeline(
+        {"sources": [{"name": "web", "path": str(text_dir)}], "sequence_length": 32, "micro_batch_size": 2,
+         "tokenizer": {"path": str(tokenizer_dir)}, "runtime": {"runner": "process"}},
+        transform=StallFrom(0),  # no batch ever comes
     )
     source = ZephonSource(pipeline)
     contained = pipeline._options.mp_context
@@ -220,13 +223,13 @@ def test_fork_server_workers_get_the_environment_of_their_start(monkeypatch: pyt
 
 
 def test_pipelines_get_a_contained_fork_server_context(text_dir: Path, tokenizer_dir: Path) -> None:
-    from zephon_loader.source import ZephonSource, build_pipeline
+    from zephon_loader.source import ZephonSource
     from zephon_loader.workers import WorkerContext
 
     def pipeline(**runtime: Any) -> Any:
-        return build_pipeline(
-            [{"name": "web", "path": str(text_dir)}], seq_len=32, micro_batch_size=2,
-            tokenizer=str(tokenizer_dir), runtime_options=runtime or None,
+        return zephon_pipeline(
+            {"sources": [{"name": "web", "path": str(text_dir)}], "sequence_length": 32, "micro_batch_size": 2,
+             "tokenizer": {"path": str(tokenizer_dir)}, "runtime": runtime},
         )
 
     process = ZephonSource(pipeline(runner="process")).pipeline._options
@@ -236,7 +239,8 @@ def test_pipelines_get_a_contained_fork_server_context(text_dir: Path, tokenizer
     threads = ZephonSource(pipeline()).pipeline._options
     assert isinstance(threads.mp_context, WorkerContext)
     assert threads.shutdown_mode == "graceful"  # "hard" would leave Zephon's threads running after close()
-    spawn = ZephonSource(pipeline(runner="process", mp_context="spawn")).pipeline._options
+    # A start method the user set on the pipeline (Zephon's own option) is kept, in a contained context.
+    spawn = ZephonSource(pipeline(runner="process").options(mp_context="spawn")).pipeline._options
     assert spawn.mp_context.get_start_method() == "spawn"
 
     copy = pickle.loads(pickle.dumps(process.mp_context))  # Zephon's mtp_mode pickles its options

@@ -1,4 +1,4 @@
-"""zephon_loader.source: pipeline construction, refusals, the torchdata node, resume."""
+"""zephon_loader.pipeline / zephon_loader.source: pipeline construction, refusals, the torchdata node, resume."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,29 +14,35 @@ import numpy as np
 import pytest
 from torchdata.nodes import Loader
 
+from conftest import zephon_pipeline
 from zephon_loader import fields as F
-from zephon_loader.source import (
-    DEFAULT_CHUNK_SIZE,
-    SourceSpec,
-    ZephonKeys,
-    ZephonSource,
-    build_pipeline,
-    choose_chunk_size,
-)
+from zephon_loader.config import text_loader_config
+from zephon_loader.pipeline import DataParallel
+from zephon_loader.source import ZephonKeys, ZephonSource
+from zephon_loader.work_source import choose_chunk_size
 
 L = 32
 B = 4
 
+
+def text_keys(jsonl_sources: dict[str, Path], tokenizer_dir: Path, algorithm: str = "first_fit",
+              **keys: Any) -> dict[str, Any]:
+    """Loader-config keys of the reference text pipeline (sources ``a``: 1, ``b``: 2), plus ``keys``."""
+    return {
+        "sources": [{"name": "a", "path": str(jsonl_sources["a"]), "weight": 1.0},
+                    {"name": "b", "path": str(jsonl_sources["b"]), "weight": 2.0}],
+        "sequence_length": L,
+        "micro_batch_size": B,
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "packing": {"algorithm": algorithm},
+        "seed": 3,
+        **keys,
+    }
+
+
 def text_pipeline(jsonl_sources: dict[str, Path], tokenizer_dir: Path, algorithm: str = "first_fit", **kw: Any):
-    return build_pipeline(
-        [SourceSpec("a", jsonl_sources["a"], 1.0), SourceSpec("b", jsonl_sources["b"], 2.0)],
-        seq_len=L,
-        micro_batch_size=B,
-        tokenizer=tokenizer_dir,
-        packing_algorithm=algorithm,
-        seed=3,
-        **kw,
-    )
+    """The reference text pipeline; ``kw`` are further ``build_pipeline`` keywords."""
+    return zephon_pipeline(text_keys(jsonl_sources, tokenizer_dir, algorithm), **kw)
 
 
 def signature(batch: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], int | None]]:
@@ -102,10 +109,10 @@ def test_pipeline_is_deterministic(jsonl_sources, tokenizer_dir, reference):
 
 
 def test_parquet_text_with_side_columns(parquet_text_source, tokenizer_dir):
-    pipeline = build_pipeline(
-        [SourceSpec("pq", parquet_text_source)], seq_len=L, micro_batch_size=B, tokenizer=tokenizer_dir,
-        packing_algorithm="wrap",
-    )
+    pipeline = zephon_pipeline({
+        "sources": [{"name": "pq", "path": str(parquet_text_source)}], "sequence_length": L, "micro_batch_size": B,
+        "tokenizer": {"path": str(tokenizer_dir)}, "packing": {"algorithm": "wrap"},
+    })
     with ZephonSource(pipeline) as source:
         batch = next(source)
     assert set(batch.records[0].payload) == {ZephonKeys.TOKENS, ZephonKeys.POSITIONS}
@@ -113,10 +120,11 @@ def test_parquet_text_with_side_columns(parquet_text_source, tokenizer_dir):
 
 @pytest.mark.parametrize("algorithm", ["first_fit", "wrap"])
 def test_pretokenized_parquet_drops_side_columns_and_carries_eligibility(pretokenized_parquet_source, algorithm):
-    pipeline = build_pipeline(
-        [SourceSpec("tok", pretokenized_parquet_source)], seq_len=L, micro_batch_size=B,
-        pretokenized_field="tokens", eligibility_field="elig", pad_token_id=0, packing_algorithm=algorithm,
-    )
+    pipeline = zephon_pipeline({
+        "sources": [{"name": "tok", "path": str(pretokenized_parquet_source)}], "sequence_length": L,
+        "micro_batch_size": B, "tokenizer": {"pretokenized_field": "tokens"}, "eligibility_field": "elig",
+        "pad_token_id": 0, "packing": {"algorithm": algorithm},
+    })
     batches = list(ZephonSource(pipeline))
     assert batches
     for batch in batches:
@@ -147,10 +155,10 @@ def test_pretokenized_without_filter_is_the_pitfall(pretokenized_parquet_source)
 def test_chat_pipeline_carries_loss_mask(chat_source, tokenizer_dir):
     from conftest import CHAT_TEMPLATE
 
-    pipeline = build_pipeline(
-        [SourceSpec("chat", chat_source)], seq_len=64, micro_batch_size=2, tokenizer=tokenizer_dir,
-        chat_field="messages", chat_template=CHAT_TEMPLATE,
-    )
+    pipeline = zephon_pipeline({
+        "sources": [{"name": "chat", "path": str(chat_source)}], "sequence_length": 64, "micro_batch_size": 2,
+        "tokenizer": {"path": str(tokenizer_dir), "chat_field": "messages", "chat_template": CHAT_TEMPLATE},
+    })
     with ZephonSource(pipeline) as source:
         batch = next(source)
     payload = batch.records[0].payload
@@ -159,24 +167,39 @@ def test_chat_pipeline_carries_loss_mask(chat_source, tokenizer_dir):
     assert mask.shape == (65,) and 0 < mask.sum() < 65
 
 
+def tokenize_parallelism(pipeline: Any) -> int:
+    """The parallelism of the pipeline's ``tokenize`` stage."""
+    (node,) = [node for node in pipeline._graph.nodes if node.name == "tokenize"]
+    return node.parallelism
+
+
 def test_options_are_passed(jsonl_sources, tokenizer_dir):
-    pipeline = text_pipeline(
-        jsonl_sources, tokenizer_dir, canonical_replicas=2, run_id="r1",
-        runtime_options={"max_workers": 2, "prefetch_batches": 2},
-    )
+    pipeline = zephon_pipeline(text_keys(
+        jsonl_sources, tokenizer_dir, distributed={"canonical_replicas": 2, "run_id": "r1"},
+        runtime={"max_workers": 2, "prefetch_batches": 2, "tokenize_parallelism": 1},
+    ))
     opts = pipeline._options
     assert (opts.world_size, opts.global_rank, opts.dp_degree, opts.dp_group_id, opts.canonical_replicas) == (1, 0, 1, 0, 2)
     assert opts.run_id == "r1" and opts.max_workers == 2 and opts.prefetch_batches == 2
+    # runtime.tokenize_parallelism sets the tokenize stage's calls in flight (not a RuntimeOptions field).
+    assert tokenize_parallelism(pipeline) == 1
+    assert tokenize_parallelism(text_pipeline(jsonl_sources, tokenizer_dir)) > 1  # Zephon's default
+    assert not hasattr(opts, "tokenize_parallelism")
 
 
 def test_multi_rank_options_are_passed(jsonl_sources, tokenizer_dir, tmp_path):
-    pipeline = text_pipeline(
-        jsonl_sources, tokenizer_dir, world_size=4, global_rank=3, dp_degree=2, dp_group_id=1,
-        canonical_replicas=4, aggregate_dir=tmp_path, run_id="r2",
-    )
-    opts = pipeline._options
-    assert (opts.world_size, opts.global_rank, opts.dp_degree, opts.dp_group_id, opts.canonical_replicas) == (4, 3, 2, 1, 4)
+    """Zephon's world is the data-parallel group: one lane per DP rank (tensor/pipeline peers share it)."""
+    keys = text_keys(jsonl_sources, tokenizer_dir,
+                     distributed={"canonical_replicas": 4, "aggregate_dir": str(tmp_path), "run_id": "r2"})
+    opts = zephon_pipeline(keys, dp=DataParallel(1, 2))._options
+    assert (opts.world_size, opts.global_rank, opts.dp_degree, opts.dp_group_id, opts.canonical_replicas) == (2, 1, 2, 1, 4)
     assert opts.aggregate_dir == str(tmp_path) and opts.run_id == "r2"
+    # The store and run id the builder takes from torch.distributed win over the YAML's; an epoch suffix follows.
+    keys = text_keys(jsonl_sources, tokenizer_dir, distributed={"canonical_replicas": 4, "run_id": "r2"})
+    opts = zephon_pipeline(keys, dp=DataParallel(1, 2, aggregate_store="torch://", run_id="r3"),
+                           run_id_suffix=".epoch1")._options
+    assert (opts.world_size, opts.global_rank, opts.canonical_replicas) == (2, 1, 4)
+    assert opts.aggregate_store == "torch://" and opts.run_id == "r3.epoch1"
 
 
 def test_transform_feeds_pretokenized_mode(jsonl_sources):
@@ -184,9 +207,10 @@ def test_transform_feeds_pretokenized_mode(jsonl_sources):
         data = list(payload["text"].encode())[:20]
         return {"ids": data, "ok": [b != 32 for b in data]}
 
-    pipeline = build_pipeline(
-        [SourceSpec("a", jsonl_sources["a"])], seq_len=L, micro_batch_size=B, transform=to_bytes,
-        pretokenized_field="ids", eligibility_field="ok", pad_token_id=0,
+    pipeline = zephon_pipeline(
+        {"sources": [{"name": "a", "path": str(jsonl_sources["a"])}], "sequence_length": L, "micro_batch_size": B,
+         "tokenizer": {"pretokenized_field": "ids"}, "eligibility_field": "ok", "pad_token_id": 0},
+        transform=to_bytes,
     )
     with ZephonSource(pipeline) as source:
         batch = next(source)
@@ -202,10 +226,11 @@ def test_chunk_size_is_chosen_to_fit(tmp_path, tokenizer_dir):
 
     small = write_jsonl_shards(tmp_path / "small", [{"text": t} for t in make_texts(5, seed=1)], shards=1)
     big = write_jsonl_shards(tmp_path / "big", [{"text": t} for t in make_texts(50, seed=2)], shards=2)
-    pipeline = build_pipeline(
-        [SourceSpec("small", small, 1.0), SourceSpec("big", big, 1.0)], seq_len=L, micro_batch_size=1,
-        tokenizer=tokenizer_dir, packing_algorithm="wrap",
-    )
+    pipeline = zephon_pipeline({
+        "sources": [{"name": "small", "path": str(small)}, {"name": "big", "path": str(big)}],
+        "sequence_length": L, "micro_batch_size": 1, "tokenizer": {"path": str(tokenizer_dir)},
+        "packing": {"algorithm": "wrap"},
+    })
     assert sum(1 for _ in ZephonSource(pipeline)) > 0
     assert choose_chunk_size([5, 50], [1.0, 1.0]) == 10  # 5 per source per chunk: both passes read whole
     assert choose_chunk_size([10**9], [1.0]) == 16000  # the largest size <= 16384 that divides the source
@@ -321,133 +346,206 @@ def test_node_rejects_non_pipeline():
 
 
 # ----------------------------------------------------------------------------- refusals
+#
+# Types, ranges and combinations of keys are refused by the config (the error names
+# ``dataloader.<key>``); what needs the data or the tokenizer by build_pipeline. Both
+# come fast and before any Zephon worker starts.
 
 
-def _refuses(exc: type[Exception], match: str, **kwargs: Any) -> None:
+def _refuses(exc: type[Exception], match: str, build: Callable[[], Any]) -> None:
     before = threading.active_count()
     start = time.monotonic()
     with pytest.raises(exc, match=match):
-        build_pipeline(**kwargs)
+        build()
     assert time.monotonic() - start < 5, "refusal must be fast (no retry loop)"
     assert threading.active_count() <= before, "refusal must come before any worker starts"
 
 
+def _with(keys: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """``keys`` with ``changes``; a mapping given for a section (``tokenizer``, ``packing``, ...) merges into it."""
+    out = dict(keys)
+    for key, value in changes.items():
+        out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _config_refuses(exc: type[Exception], match: str, keys: dict[str, Any]) -> None:
+    _refuses(exc, match, lambda: text_loader_config(**keys))
+
+
+def _pipeline_refuses(exc: type[Exception], match: str, keys: dict[str, Any], work_dir: Path, **kwargs: Any) -> None:
+    config = text_loader_config(**keys)  # the config is valid: the refusal is build_pipeline's
+    _refuses(exc, match, lambda: zephon_pipeline(config, work_dir=work_dir, **kwargs))
+
+
 @pytest.fixture()
-def base_kwargs(jsonl_sources, tokenizer_dir) -> dict[str, Any]:
-    return dict(
-        sources=[SourceSpec("a", jsonl_sources["a"], 1.0), SourceSpec("b", jsonl_sources["b"], 1.0)],
-        seq_len=L, micro_batch_size=B, tokenizer=tokenizer_dir,
-    )
+def base_keys(jsonl_sources, tokenizer_dir) -> dict[str, Any]:
+    return {
+        "sources": [{"name": "a", "path": str(jsonl_sources["a"]), "weight": 1.0},
+                    {"name": "b", "path": str(jsonl_sources["b"]), "weight": 1.0}],
+        "sequence_length": L,
+        "micro_batch_size": B,
+        "tokenizer": {"path": str(tokenizer_dir)},
+    }
 
 
-def test_refuses_missing_tokenizer(base_kwargs):
-    _refuses(ValueError, r"tokenizer: got None.*save_pretrained", **{**base_kwargs, "tokenizer": None})
+# --- refused by build_pipeline: the data and the tokenizer
 
 
-def test_refuses_hub_tokenizer_id(base_kwargs):
-    _refuses(ValueError, r"tokenizer: got 'someorg/some-model'.*hub id cannot resolve offline",
-             **{**base_kwargs, "tokenizer": "someorg/some-model"})
+def test_refuses_missing_tokenizer(base_keys, tmp_path):
+    _pipeline_refuses(ValueError, r"tokenizer\.path: got None, expected a local tokenizer folder for text input.*"
+                                  r"save_pretrained", _with(base_keys, tokenizer={"path": None}), tmp_path)
 
 
-def test_refuses_tokenizer_dir_without_files(base_kwargs, tmp_path):
-    _refuses(ValueError, r"tokenizer: .*tokenizer\.json", **{**base_kwargs, "tokenizer": tmp_path})
+def test_refuses_hub_tokenizer_id(base_keys, tmp_path):
+    _pipeline_refuses(ValueError, r"tokenizer\.path: got '[^']*someorg/some-model'.*hub id cannot resolve offline",
+                      _with(base_keys, tokenizer={"path": "someorg/some-model"}), tmp_path)
 
 
-def test_refuses_non_path_tokenizer(base_kwargs):
-    _refuses(TypeError, r"tokenizer: got 'dict'", **{**base_kwargs, "tokenizer": {}})
+def test_refuses_tokenizer_dir_without_files(base_keys, tmp_path):
+    empty = tmp_path / "no_tokenizer"
+    empty.mkdir()
+    _pipeline_refuses(ValueError, r"tokenizer\.path: .*tokenizer\.json",
+                      _with(base_keys, tokenizer={"path": str(empty)}), tmp_path)
 
 
-def test_refuses_chunk_size_larger_than_data(base_kwargs):
-    _refuses(ValueError, r"chunk_size: got 16384, expected at most \d+ .*'a' has 100 records",
-             **{**base_kwargs, "chunk_size": 16384})
+def test_refuses_special_tokens_the_tokenizer_lacks(base_keys, tokenizer, tmp_path):
+    import copy
+
+    no_bos = copy.deepcopy(tokenizer)
+    no_bos.bos_token = None
+    no_bos.save_pretrained(tmp_path / "no_bos")
+    keys = _with(base_keys, tokenizer={"path": str(tmp_path / "no_bos")})
+    _pipeline_refuses(ValueError, r"tokenizer\.special_tokens: got 'bos_eos', expected a mode this tokenizer can "
+                                  r"serve \(it has no bos_token\)", keys, tmp_path)
+    assert zephon_pipeline(_with(keys, tokenizer={"special_tokens": "eos"}), work_dir=tmp_path) is not None
 
 
-def test_refuses_bad_source_dirs(base_kwargs, tmp_path):
-    src = base_kwargs["sources"]
-    _refuses(ValueError, r"sources\[0\].path \('x'\).*existing directory",
-             **{**base_kwargs, "sources": [SourceSpec("x", tmp_path / "missing")]})
+def test_refuses_chunk_size_larger_than_data(base_keys, tmp_path):
+    _pipeline_refuses(ValueError, r"chunk_size: got 16384, expected at most \d+ .*'a' has 100 records",
+                      _with(base_keys, chunk_size=16384), tmp_path)
+
+
+def test_refuses_bad_source_dirs(base_keys, tmp_path):
+    first = base_keys["sources"][0]
+
+    def sources(*specs: tuple[str, Any]) -> dict[str, Any]:
+        return _with(base_keys, sources=[{"name": name, "path": str(path)} for name, path in specs])
+
+    _pipeline_refuses(ValueError, r"sources\[0\].path \('x'\).*existing directory",
+                      sources(("x", tmp_path / "missing")), tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
-    _refuses(ValueError, r"sources\[0\].path \('x'\).*none found", **{**base_kwargs, "sources": [SourceSpec("x", empty)]})
+    _pipeline_refuses(ValueError, r"sources\[0\].path \('x'\).*none found", sources(("x", empty)), tmp_path)
     (tmp_path / "file.jsonl").write_text("")
-    _refuses(ValueError, r"a directory \(not a file\)",
-             **{**base_kwargs, "sources": [SourceSpec("x", tmp_path / "file.jsonl")]})
+    _pipeline_refuses(ValueError, r"a directory \(not a file\)", sources(("x", tmp_path / "file.jsonl")), tmp_path)
     blank = tmp_path / "blank"
     blank.mkdir()
     (blank / "part-0.jsonl").write_text("")
-    _refuses(ValueError, r"sources\[1\].path \('blank'\).*at least one record",
-             **{**base_kwargs, "sources": [src[0], SourceSpec("blank", blank)]})
+    _pipeline_refuses(ValueError, r"sources\[1\].path \('blank'\).*at least one record",
+                      sources((first["name"], first["path"]), ("blank", blank)), tmp_path)
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     (mixed / "a.jsonl").write_text('{"text": "x"}\n')
     (mixed / "b.parquet").write_bytes(b"")
-    _refuses(ValueError, r"one shard format per directory", **{**base_kwargs, "sources": [SourceSpec("m", mixed)]})
-    _refuses(ValueError, r"local directory", **{**base_kwargs, "sources": [SourceSpec("r", "s3://bucket/x")]})
-
-
-@pytest.mark.parametrize("weight", [0, -1.0, float("nan"), float("inf"), True, "1"])
-def test_refuses_bad_weight(base_kwargs, weight):
-    src = base_kwargs["sources"]
-    _refuses(ValueError, r"sources\[1\].weight \('b'\)",
-             **{**base_kwargs, "sources": [src[0], SourceSpec("b", src[1].path, weight)]})
-
-
-def test_refuses_bad_sources_shape(base_kwargs):
-    src = base_kwargs["sources"]
-    _refuses(ValueError, r"sources: got \[\]", **{**base_kwargs, "sources": []})
-    _refuses(TypeError, r"sources: got 'str'", **{**base_kwargs, "sources": "a"})
-    _refuses(ValueError, r"unique name", **{**base_kwargs, "sources": [src[0], SourceSpec("a", src[1].path)]})
-    _refuses(ValueError, r"sources\[0\]", **{**base_kwargs, "sources": [{"name": "a"}]})
-
-
-def test_sources_as_mappings(base_kwargs, jsonl_sources):
-    pipeline = build_pipeline(**{**base_kwargs, "sources": [{"name": "a", "path": str(jsonl_sources["a"]), "weight": 2}]})
-    assert pipeline is not None
+    _pipeline_refuses(ValueError, r"one shard format per directory", sources(("m", mixed)), tmp_path)
+    _pipeline_refuses(ValueError, r"sources\[0\].path \('r'\): got 's3://bucket/x', expected a local directory",
+                      sources(("r", "s3://bucket/x")), tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "exc", "match"),
+    ("keys", "kwargs", "exc", "match"),
     [
-        ("seq_len", 0, ValueError, r"seq_len: got 0, expected a positive int"),
-        ("seq_len", -5, ValueError, r"seq_len"),
-        ("seq_len", 3.5, TypeError, r"seq_len"),
-        ("micro_batch_size", 0, ValueError, r"micro_batch_size"),
-        ("packing_algorithm", "greedy", ValueError, r"packing_algorithm: got 'greedy'"),
-        ("num_bins", 0, ValueError, r"num_bins"),
-        ("special_tokens", "both", ValueError, r"special_tokens"),
-        ("seed", -1, ValueError, r"seed"),
-        ("seed", "x", TypeError, r"seed"),
-        ("stop_after_passes", 0, ValueError, r"stop_after_passes"),
-        ("world_size", 2, ValueError, r"aggregate_dir: got None.*world_size=2"),
-        ("global_rank", 1, ValueError, r"global_rank: got 1"),
-        ("canonical_replicas", 0, ValueError, r"canonical_replicas"),
-        ("dp_degree", 2, ValueError, r"dp_degree: got 2, expected a divisor"),
-        ("runtime_options", {"max_worker": 2}, ValueError, r"runtime_options: got \['max_worker'\]"),
-        ("runtime_options", {"world_size": 2}, ValueError, r"no data-parallel keys"),
-        ("eligibility_field", "elig", ValueError, r"eligibility_field: got 'elig'.*pretokenized"),
-        ("pad_token_id", 10_000, ValueError, r"pad_token_id: got 10000"),
-        ("eos_token_id", -1, ValueError, r"eos_token_id"),
-        ("eos_token_id", 1.0, TypeError, r"eos_token_id"),
-        ("transform", 5, TypeError, r"transform"),
+        ({"pad_token_id": 10_000}, {}, ValueError, r"pad_token_id: got 10000, expected an id in \[0, 400\)"),
+        ({"eos_token_id": 10_000}, {}, ValueError, r"eos_token_id: got 10000, expected an id in \[0, 400\)"),
+        ({}, {"transform": 5}, TypeError, r"transform: got 'int'"),
+        ({}, {"dp": DataParallel(0, 2)}, ValueError, r"distributed\.aggregate_dir: got None.*2 data-parallel ranks"),
+        ({"distributed": {"canonical_replicas": 3, "aggregate_store": "torch://"}}, {"dp": DataParallel(0, 2)},
+         ValueError, r"distributed\.canonical_replicas: got 3, expected a multiple of the data-parallel size 2"),
+        ({"distributed": {"aggregate_dir": "/tmp/agg", "aggregate_store": "torch://"}}, {}, ValueError,
+         r"distributed\.aggregate_dir/aggregate_store: .*expected at most one"),
     ],
 )
-def test_refuses_bad_arguments(base_kwargs, key, value, exc, match):
-    _refuses(exc, match, **{**base_kwargs, key: value})
+def test_refuses_bad_arguments(base_keys, tmp_path, keys, kwargs, exc, match):
+    _pipeline_refuses(exc, match, _with(base_keys, **keys), tmp_path, **kwargs)
 
 
-def test_refuses_num_bins_for_wrap(base_kwargs):
-    _refuses(ValueError, r"num_bins: got 4, expected None for packing_algorithm='wrap'",
-             **{**base_kwargs, "packing_algorithm": "wrap", "num_bins": 4})
+@pytest.mark.parametrize(
+    ("rank", "size", "match"),
+    [(1, 1, r"dp_rank: got 1, expected < dp_world_size \(1\)"), (-1, 2, r"dp_rank: got -1"),
+     (True, 2, r"dp_rank: got True"), (0, 0, r"dp_world_size: got 0, expected an int >= 1")],
+)
+def test_refuses_bad_data_parallel_coordinates(rank, size, match):
+    _refuses(ValueError, match, lambda: DataParallel(rank, size))
 
 
-def test_refuses_mode_conflicts(base_kwargs, pretokenized_parquet_source):
-    _refuses(ValueError, r"pretokenized_field/chat_field",
-             **{**base_kwargs, "pretokenized_field": "tokens", "chat_field": "messages"})
-    _refuses(ValueError, r"pad_token_id: got None",
-             **{**base_kwargs, "tokenizer": None, "sources": [SourceSpec("t", pretokenized_parquet_source)],
-                "pretokenized_field": "tokens"})
-    _refuses(ValueError, r"chat_template: got None",
-             **{**base_kwargs, "chat_field": "messages"})
-    _refuses(ValueError, r"eos_token_id: got 1, expected unset outside text mode",
-             **{**base_kwargs, "sources": [SourceSpec("t", pretokenized_parquet_source)],
-                "pretokenized_field": "tokens", "eos_token_id": 1})
+def test_refuses_mode_conflicts(base_keys, pretokenized_parquet_source, tmp_path):
+    pretokenized = _with(base_keys, sources=[{"name": "t", "path": str(pretokenized_parquet_source)}],
+                         tokenizer={"path": None, "pretokenized_field": "tokens"})
+    _pipeline_refuses(ValueError, r"pad_token_id: got None", pretokenized, tmp_path)
+    _pipeline_refuses(ValueError, r"tokenizer\.chat_template: got None",
+                      _with(base_keys, tokenizer={"chat_field": "messages"}), tmp_path)
+
+
+# --- refused by the config: types, ranges and combinations of keys
+
+
+def test_refuses_bad_sources_shape(base_keys):
+    first = base_keys["sources"][0]
+    _config_refuses(ValueError, r"dataloader\.sources: got an empty list", _with(base_keys, sources=[]))
+    _config_refuses(TypeError, r"dataloader\.sources: got str", _with(base_keys, sources="a"))
+    _config_refuses(ValueError, r"dataloader\.sources: duplicate names in \['a', 'a'\]",
+                    _with(base_keys, sources=[first, {**base_keys["sources"][1], "name": "a"}]))
+    _config_refuses(ValueError, r"dataloader\.sources\[0\]\.path: missing", _with(base_keys, sources=[{"name": "a"}]))
+
+
+@pytest.mark.parametrize(
+    ("weight", "exc"),
+    [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+     (True, TypeError), ("1", TypeError)],
+)
+def test_refuses_bad_weight(base_keys, weight, exc):
+    sources = [base_keys["sources"][0], {**base_keys["sources"][1], "weight": weight}]
+    _config_refuses(exc, r"dataloader\.sources\[1\]\.weight: got", _with(base_keys, sources=sources))
+
+
+def test_sources_as_mappings(base_keys, tmp_path):
+    sources = [{**base_keys["sources"][0], "weight": 2}]  # an int weight is a number
+    assert zephon_pipeline(_with(base_keys, sources=sources), work_dir=tmp_path) is not None
+
+
+@pytest.mark.parametrize(
+    ("changes", "exc", "match"),
+    [
+        ({"sequence_length": 0}, ValueError, r"dataloader\.sequence_length: got 0, expected an int > 0"),
+        ({"sequence_length": -5}, ValueError, r"dataloader\.sequence_length: got -5"),
+        ({"sequence_length": 3.5}, TypeError, r"dataloader\.sequence_length: got float 3\.5"),
+        ({"micro_batch_size": 0}, ValueError, r"dataloader\.micro_batch_size: got 0"),
+        ({"packing": {"algorithm": "greedy"}}, ValueError, r"dataloader\.packing\.algorithm: got 'greedy'"),
+        ({"packing": {"num_bins": 0}}, ValueError, r"dataloader\.packing\.num_bins: got 0"),
+        ({"packing": {"algorithm": "wrap", "num_bins": 4}}, ValueError,
+         r"dataloader\.packing\.num_bins: got 4 with algorithm 'wrap', expected null"),
+        ({"tokenizer": {"special_tokens": "both"}}, ValueError, r"dataloader\.tokenizer\.special_tokens: got 'both'"),
+        ({"tokenizer": {"text_field": ""}}, ValueError, r"dataloader\.tokenizer\.text_field: got ''"),
+        ({"tokenizer": {"path": {}}}, TypeError, r"dataloader\.tokenizer\.path: got dict"),
+        ({"tokenizer": {"pretokenized_field": "tokens", "chat_field": "messages"}}, ValueError,
+         r"dataloader\.tokenizer: got both \['pretokenized_field', 'chat_field'\]"),
+        ({"tokenizer": {"path": None, "chat_field": "messages"}}, ValueError,
+         r"dataloader\.tokenizer\.path: chat_field needs a local tokenizer folder"),
+        ({"seed": -1}, ValueError, r"dataloader\.seed: got -1, expected an int >= 0"),
+        ({"seed": "x"}, TypeError, r"dataloader\.seed: got str 'x'"),
+        ({"distributed": {"canonical_replicas": 0}}, ValueError, r"dataloader\.distributed\.canonical_replicas: got 0"),
+        ({"runtime": {"max_worker": 2}}, ValueError, r"dataloader\.runtime\.max_worker: unknown key"),
+        ({"runtime": {"world_size": 2}}, ValueError, r"dataloader\.runtime\.world_size: unknown key"),
+        ({"runtime": {"max_workers": 0}}, ValueError, r"dataloader\.runtime\.max_workers: got 0, expected an int > 0"),
+        ({"runtime": {"prefetch_batches": 0}}, ValueError, r"dataloader\.runtime\.prefetch_batches: got 0"),
+        ({"runtime": {"tokenize_parallelism": 0}}, ValueError, r"dataloader\.runtime\.tokenize_parallelism: got 0"),
+        ({"eligibility_field": "elig"}, ValueError, r"dataloader\.eligibility_field: got 'elig' with text input.*"
+                                                    r"pretokenized_field"),
+        ({"pad_token_id": -1}, ValueError, r"dataloader\.pad_token_id: got -1, expected an int >= 0"),
+        ({"eos_token_id": -1}, ValueError, r"dataloader\.eos_token_id: got -1, expected an int >= 0"),
+        ({"eos_token_id": 1.0}, TypeError, r"dataloader\.eos_token_id: got float 1\.0"),
+    ],
+)
+def test_config_refuses_bad_keys(base_keys, changes, exc, match):
+    _config_refuses(exc, match, _with(base_keys, **changes))

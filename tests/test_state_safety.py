@@ -115,6 +115,12 @@ def test_retired_malformed_and_other_lane_count_states_are_refused(sources, toke
     refused(lambda s: s["buffered"][1].update(batch=[1]), r"state_dict\.buffered\[1\]\.batch: got list")
     refused(lambda s: s["buffered"][0]["batch"][F.INPUT_IDS].update(__tensor__="int65"),
             r"state_dict\.buffered\[0\]\.batch: .*'input_ids' has unknown dtype 'int65'")
+
+    def padding_in_front(s):  # decodes fine, but breaks what collate guarantees and the final map trusts
+        data = s["buffered"][0]["batch"][F.PADDING_MASK]["data"]
+        data[0], data[-1] = True, False
+
+    refused(padding_in_front, r"state_dict\.buffered\[0\]\.batch: .*padding")
     # The fingerprint names canonical_replicas too; the Zephon checkpoint itself is checked as well.
     with build_text_loader(config(sources, tokenizer_dir, 2)) as one_lane:
         other = json.loads(json.dumps(state))

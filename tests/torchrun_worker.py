@@ -1,9 +1,11 @@
 """Worker for test_distributed.py: run by ``torchrun --nproc_per_node 2`` on loopback (gloo).
 
-Each rank builds its loader on its DP lane with Zephon's ``torch://`` aggregate
-store, takes ``state_dict()`` after 3 batches (a collective), finishes the
-pass, then resumes a fresh loader from the state and checks the remainder is
-identical. Exit code 0 = exact.
+Each rank builds its loader with no data-parallel arguments and no
+``distributed`` section: the builder takes rank and size from the initialized
+process group, Zephon's ``torch://`` aggregate store and a run id derived from
+the config. It takes ``state_dict()`` after 3 batches (a collective), finishes
+the pass, then resumes a fresh loader from the state and checks the remainder
+is identical. Exit code 0 = exact.
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ def main() -> int:
     node.pop("_target_")
     node.update(
         base_dir=str(default_config_path().parent),
-        distributed={"aggregate_store": "torch://", "run_id": "torchrun-test"},
         runtime={"runner": "threads"},
         sequence_length=128,
     )
-    with build_text_loader(node, dp_rank=rank, dp_world_size=world) as loader:
+    with build_text_loader(node) as loader:  # DP coordinates from torch.distributed
+        options = loader.pipeline._options
+        assert (options.global_rank, options.world_size, options.aggregate_store) == (rank, world, "torch://"), options
+        assert options.run_id.startswith("zephon_loader-"), options.run_id
         it = iter(loader)
         head = [next(it)[F.INPUT_IDS] for _ in range(3)]
         state = loader.state_dict()
         rest = [batch[F.INPUT_IDS] for batch in it]
-    with build_text_loader(node, dp_rank=rank, dp_world_size=world) as loader:
+    with build_text_loader(node) as loader:
         loader.load_state_dict(state)
         again = [batch[F.INPUT_IDS] for batch in loader]
     exact = len(rest) == len(again) and all(torch.equal(a, b) for a, b in zip(rest, again))

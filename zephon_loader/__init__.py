@@ -1,60 +1,105 @@
 """zephon_loader: packed token batches from Zephon pipelines for NeMo AutoModel-style models.
 
 Data flow: config → builder → Zephon source → collate → final map → yield.
+
+The public names below are imported on first use (PEP 562), so that
+``import zephon_loader`` — and ``zephon-loader --help`` / ``--version`` —
+do not pay for torch, Zephon and transformers until something needs them.
 """
 
-from zephon_loader.attention import (
-    TrainingBatch,
-    adapt_model_inputs,
-    enable_xdoc_attention,
-    require_supported_packing_contract,
-)
-from zephon_loader.backends import (
-    initialize_attn_module_and_func,
-    postprocess_output_for_attn,
-    preprocess_args_and_kwargs_for_attn,
-)
-from zephon_loader.builders import build_text_loader
-from zephon_loader.config import TextLoaderConfig, instantiate, load_yaml
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
-from zephon_loader.loader import ZephonLoader
-from zephon_loader.packing import (
-    DEFAULT_PACKED_SEQUENCE_CONTRACT,
-    PackedSequenceContract,
-    PackingContract,
-    build_packed_sequence_metadata,
-    contract_for_attention,
-    flatten_packed_sequence_metadata,
-)
-from zephon_loader.readahead import ReadAhead
-from zephon_loader.recipe import ZephonDataloaderConfig
-from zephon_loader.source import ZephonSource, build_pipeline
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_PACKED_SEQUENCE_CONTRACT",
-    "FinalizeSettings",
-    "PackedSequenceContract",
-    "PackingContract",
-    "ReadAhead",
-    "TextLoaderConfig",
-    "TrainingBatch",
-    "ZephonDataloaderConfig",
-    "ZephonLoader",
-    "ZephonSource",
-    "adapt_model_inputs",
-    "build_packed_sequence_metadata",
-    "build_pipeline",
-    "build_text_loader",
-    "contract_for_attention",
-    "enable_xdoc_attention",
-    "finalize_batch",
-    "flatten_packed_sequence_metadata",
-    "initialize_attn_module_and_func",
-    "instantiate",
-    "load_yaml",
-    "postprocess_output_for_attn",
-    "preprocess_args_and_kwargs_for_attn",
-    "require_supported_packing_contract",
-]
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    # config -> builder
+    "TextLoaderConfig": "zephon_loader.config",
+    "instantiate": "zephon_loader.config",
+    "load_yaml": "zephon_loader.config",
+    "read_loader_config": "zephon_loader.config",
+    "build_text_loader": "zephon_loader.builders",
+    "ZephonDataloaderConfig": "zephon_loader.recipe",
+    # Zephon source
+    "build_pipeline": "zephon_loader.pipeline",
+    "ZephonSource": "zephon_loader.source",
+    # final map and yield
+    "TrainingBatch": "zephon_loader.attention",
+    "adapt_model_inputs": "zephon_loader.attention",
+    "enable_xdoc_attention": "zephon_loader.attention",
+    "require_supported_packing_contract": "zephon_loader.attention",
+    "FinalizeSettings": "zephon_loader.finalize",
+    "finalize_batch": "zephon_loader.finalize",
+    "DEFAULT_PACKED_SEQUENCE_CONTRACT": "zephon_loader.packing",
+    "PackedSequenceContract": "zephon_loader.packing",
+    "PackingContract": "zephon_loader.packing",
+    "build_packed_sequence_metadata": "zephon_loader.packing",
+    "contract_for_attention": "zephon_loader.packing",
+    "flatten_packed_sequence_metadata": "zephon_loader.packing",
+    "ReadAhead": "zephon_loader.readahead",
+    "ZephonLoader": "zephon_loader.loader",
+    # attention backends
+    "initialize_attn_module_and_func": "zephon_loader.backends",
+    "postprocess_output_for_attn": "zephon_loader.backends",
+    "preprocess_args_and_kwargs_for_attn": "zephon_loader.backends",
+    # image-text loader
+    "ImageLoader": "zephon_loader.image_builder",
+    "build_image_loader": "zephon_loader.image_builder",
+    "ImageLoaderConfig": "zephon_loader.image_config",
+    "ZephonVLMDataloaderConfig": "zephon_loader.image_recipe",
+    "ImageTextRecord": "zephon_loader.processors",
+    "ProcessedRecord": "zephon_loader.processors",
+    "Qwen2VLRecordProcessor": "zephon_loader.processors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon_loader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
+    from zephon_loader.attention import (
+        TrainingBatch,
+        adapt_model_inputs,
+        enable_xdoc_attention,
+        require_supported_packing_contract,
+    )
+    from zephon_loader.backends import (
+        initialize_attn_module_and_func,
+        postprocess_output_for_attn,
+        preprocess_args_and_kwargs_for_attn,
+    )
+    from zephon_loader.builders import build_text_loader
+    from zephon_loader.config import TextLoaderConfig, instantiate, load_yaml, read_loader_config
+    from zephon_loader.finalize import FinalizeSettings, finalize_batch
+    from zephon_loader.image_builder import ImageLoader, build_image_loader
+    from zephon_loader.image_config import ImageLoaderConfig
+    from zephon_loader.image_recipe import ZephonVLMDataloaderConfig
+    from zephon_loader.loader import ZephonLoader
+    from zephon_loader.packing import (
+        DEFAULT_PACKED_SEQUENCE_CONTRACT,
+        PackedSequenceContract,
+        PackingContract,
+        build_packed_sequence_metadata,
+        contract_for_attention,
+        flatten_packed_sequence_metadata,
+    )
+    from zephon_loader.pipeline import build_pipeline
+    from zephon_loader.processors import ImageTextRecord, ProcessedRecord, Qwen2VLRecordProcessor
+    from zephon_loader.readahead import ReadAhead
+    from zephon_loader.recipe import ZephonDataloaderConfig
+    from zephon_loader.source import ZephonSource

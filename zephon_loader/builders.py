@@ -8,7 +8,7 @@ reading data.
 from __future__ import annotations
 
 import contextlib
-import os
+import hashlib
 import shutil
 import tempfile
 from functools import partial
@@ -21,29 +21,22 @@ from zephon_loader.finalize import FinalizeSettings
 from zephon_loader.fingerprint import shard_list_fingerprint, tokenizer_fingerprint
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import PackingContract, validate_packing_contract
-from zephon_loader.records import DropLog, ShardTable
+from zephon_loader.pipeline import BuiltPipeline, DataParallel, build_pipeline
+from zephon_loader.source import ZephonSource
 from zephon_loader.stats import CountingCollate, LoaderStats
-from zephon_loader.source import (
-    DROP_LOG_NAME,
-    SourceSpec,
-    ZephonSource,
-    _load_tokenizer,
-    build_pipeline,
-    pad_token_id_of,
-)
 
 
-    Returns:
-        The contract as a frozen :class:`~zephon_loader.packing.PackingContract`:
-        the model's is validated here (its one check), the YAML's was when the
-        configuration built it. Nothing downstream validates it again.
-
-def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> object:
+def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> PackingContract:
     """The contract to serve: the model's (``packing_contract``) or the configured one.
 
     A model contract without ``qkv_format`` (AutoModel 0.7.0's
     ``PackingCapabilities`` has none) takes the YAML's ``qkv_format``: THD is a
     layout the loader adds on top of the mask representation.
+
+    Returns:
+        The contract as a frozen :class:`~zephon_loader.packing.PackingContract`:
+        the model's is validated here (its one check), the YAML's was when the
+        configuration built it. Nothing downstream validates it again.
 
     Raises:
         TypeError/ValueError: The model's contract is malformed, or both are
@@ -87,8 +80,8 @@ def build_text_loader(
     *,
     packing_contract: object | None = None,
     tokenizer: Any = None,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
+    dp_rank: int | None = None,
+    dp_world_size: int | None = None,
     collate_wrapper: Callable | None = None,
     dataset_build_context: ContextManager[Any] | None = None,
     pin_memory: bool | None = None,
@@ -103,8 +96,12 @@ def build_text_loader(
             ``contract`` (default: block-causal, no metadata).
         tokenizer: The recipe's tokenizer, used when the YAML names none.
         dp_rank, dp_world_size: This rank's data-parallel coordinates; Zephon
-            gives each DP rank its own lane. With ``dp_world_size > 1`` set
-            ``distributed.aggregate_dir`` or ``aggregate_store`` (+ ``run_id``).
+            gives each DP rank its own lane(s). Unset (both): taken from
+            ``torch.distributed``'s default group when it is initialized
+            (then ``aggregate_store`` defaults to ``torch://`` and ``run_id``
+            to one derived from the config, the same on every rank), else a
+            single rank. With several ranks and explicit coordinates set
+            ``distributed.aggregate_dir`` or ``aggregate_store``.
         collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
         dataset_build_context: Entered while the Zephon pipeline is built (AutoModel's rank ordering).
         pin_memory: ``None`` = pin when CUDA is available.
@@ -123,64 +120,24 @@ def build_text_loader(
         sequence_length=cfg.sequence_length,
         block_mask_budget_bytes=cfg.block_mask_budget_bytes,
     )
-    for name, value, low in (("dp_rank", dp_rank, 0), ("dp_world_size", dp_world_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: got {value!r}, expected an int >= {low}")
-    if dp_rank >= dp_world_size:
-        raise ValueError(f"dp_rank: got {dp_rank}, expected < dp_world_size ({dp_world_size})")
+    dp = data_parallel(cfg, dp_rank, dp_world_size)
 
-    tok = cfg.tokenizer
-    tokenizer_path: str | None = str(cfg.resolve_path(tok.path)) if tok.path is not None else None
     owned: list[str] = []
-    if tokenizer_path is None and tok.pretokenized_field is None and tokenizer is not None:
-        tokenizer_path = _save_recipe_tokenizer(tokenizer)
-        owned.append(tokenizer_path)
-    chat_template = tok.chat_template
-    if chat_template is not None and not chat_template.lstrip().startswith("{"):
-        chat_template = str(cfg.resolve_path(chat_template))
-    sources = [SourceSpec(s.name, str(cfg.resolve_path(s.path)), s.weight) for s in cfg.sources]
-    dist = cfg.distributed
+    tokenizer_dir: str | None = None
+    if cfg.tokenizer.path is None and cfg.input_mode != "pretokenized" and tokenizer is not None:
+        tokenizer_dir = _save_recipe_tokenizer(tokenizer)
+        owned.append(tokenizer_dir)
     work_dir = tempfile.mkdtemp(prefix="zephon_loader_pipeline_")
     owned.append(work_dir)
 
+    def pipeline_for_epoch(epoch: int) -> Any:
+        """The Zephon pipeline of one epoch: the same data and lanes, the epoch's shuffle seed."""
+        return build_pipeline(cfg, work_dir=work_dir, tokenizer_dir=tokenizer_dir, dp=dp,
+                              seed=epoch_seed(cfg.seed, epoch), run_id_suffix=epoch_run_id_suffix(epoch)).pipeline
+
     try:
-        pipeline = _build_pipeline_in(
-            dataset_build_context,
-            sources,
-            seq_len=cfg.sequence_length,
-            micro_batch_size=cfg.micro_batch_size,
-            tokenizer=tokenizer_path,
-            text_field=tok.text_field,
-            pretokenized_field=tok.pretokenized_field,
-            chat_field=tok.chat_field,
-            chat_template=chat_template,
-            chat_loss_scope=tok.chat_loss_scope,
-            special_tokens=tok.special_tokens,
-            packing_algorithm=cfg.packing.algorithm,
-            num_bins=cfg.packing.num_bins,
-            pad_token_id=cfg.pad_token_id,
-            seed=cfg.seed,
-            shuffle=cfg.shuffle,
-            chunk_size=cfg.chunk_size,
-            eligibility_field=cfg.eligibility_field,
-            # Zephon's world is the data-parallel group: tensor/pipeline peers of a
-            # DP rank read the same lane, and only one of them saves its state
-            # (AutoModel saves loader state on TP0/PP0 per DP rank), so the
-            # checkpoint collective must span DP ranks only.
-            world_size=dp_world_size,
-            global_rank=dp_rank,
-            dp_degree=dp_world_size,
-            dp_group_id=dp_rank,
-            canonical_replicas=dist.canonical_replicas,
-            aggregate_dir=str(cfg.resolve_path(dist.aggregate_dir)) if dist.aggregate_dir else None,
-            aggregate_store=dist.aggregate_store,
-            run_id=dist.run_id,
-            runtime_options=cfg.runtime.options() or None,
-            on_bad_record=cfg.on_bad_record,
-            max_record_tokens=cfg.max_record_tokens,
-            max_record_bytes=cfg.max_record_bytes,
-            work_dir=work_dir,
-        )
+        built: BuiltPipeline = _build_pipeline_in(
+            dataset_build_context, cfg, work_dir=work_dir, tokenizer_dir=tokenizer_dir, dp=dp)
     except BaseException:
         _remove(owned)
         raise
@@ -194,22 +151,22 @@ def build_text_loader(
         physical_cu_seqlens=False,  # the final map never yields them
         # Zephon delivers the short batch of each flush and of the end of the stream: pad it to B rows.
         micro_batch_size=cfg.micro_batch_size,
-        pad_token_id=(cfg.pad_token_id if cfg.pad_token_id is not None
-                      else pad_token_id_of(_load_tokenizer(Path(tokenizer_path)))),
+        pad_token_id=built.pad_token_id,
     )
-    shards = ShardTable.from_folders([s.name for s in sources], [s.path for s in sources])
+    tok = cfg.tokenizer
+    names = [source.name for source in cfg.sources]
     fingerprint = {
         # Shard contents, not paths: a run may resume where the data is mounted elsewhere (zephon_loader.fingerprint).
-        "sources": [[s.name, s.weight] for s in sources],
-        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in shards.sources},
+        "sources": [[source.name, source.weight] for source in cfg.sources],
+        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in built.shards.sources},
         "tokenizer": [tok.text_field, tok.pretokenized_field, tok.chat_field, tok.special_tokens],
-        "tokenizer_files": tokenizer_fingerprint(tokenizer_path),
+        "tokenizer_files": tokenizer_fingerprint(str(built.tokenizer_dir) if built.tokenizer_dir else None),
         "chat_template": [tok.chat_template, tok.chat_loss_scope],
-        "canonical_replicas": dist.canonical_replicas or dp_world_size,
+        "canonical_replicas": cfg.distributed.canonical_replicas or dp.size,
         "records": [cfg.on_bad_record, cfg.max_record_tokens, cfg.max_record_bytes],
         "sequence_length": cfg.sequence_length,
         "micro_batch_size": cfg.micro_batch_size,
-        "packing": [cfg.packing.algorithm, cfg.packing.num_bins, cfg.pad_token_id],
+        "packing": [cfg.packing.algorithm, cfg.packing.num_bins, built.pad_token_id],
         "seed": cfg.seed,
         "shuffle": cfg.shuffle,
         "chunk_size": cfg.chunk_size,
@@ -219,7 +176,7 @@ def build_text_loader(
         "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
     }
     return ZephonLoader(
-        ZephonSource(pipeline, shards),
+        ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(collate_fn),
         settings,
         read_ahead=cfg.read_ahead,
@@ -227,8 +184,69 @@ def build_text_loader(
         fingerprint=fingerprint,
         pin_memory=pin_memory,
         on_close=partial(_remove, owned),
-        stats=LoaderStats([s.name for s in sources], DropLog(os.path.join(work_dir, DROP_LOG_NAME))),
+        stats=LoaderStats(names, built.drop_log),
     )
+
+
+def data_parallel(cfg: TextLoaderConfig, dp_rank: int | None, dp_world_size: int | None) -> DataParallel:
+    """This rank's DP coordinates: the ones passed, else torch.distributed's default group, else one rank.
+
+    When torch.distributed is initialized (coordinates passed or not), the
+    aggregation store defaults to ``torch://`` (the process group's
+    rendezvous) unless the YAML sets one. With several
+    ranks the run id defaults to one derived from the config, identical on
+    every rank that reads the same configuration.
+
+    Raises:
+        ValueError: Only one of the two passed; bad values; ``canonical_replicas``
+            not a multiple of the DP size.
+    """
+    if (dp_rank is None) != (dp_world_size is None):
+        raise ValueError(
+            f"dp_rank/dp_world_size: got {dp_rank!r}/{dp_world_size!r}, expected both or neither "
+            "(neither: taken from torch.distributed when it is initialized)"
+        )
+    import torch.distributed as dist
+
+    configured = cfg.distributed
+    initialized = dist.is_available() and dist.is_initialized()
+    if dp_rank is None:
+        dp_rank, dp_world_size = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    # With a process group (also when the recipe passes DP coordinates under TP/CP), Zephon can meet
+    # at its rendezvous store; without one, the YAML must name a shared folder or store.
+    store = ("torch://" if initialized and dp_world_size > 1  # type: ignore[operator]
+             and configured.aggregate_dir is None and configured.aggregate_store is None else None)
+    # Zephon's default run id is derived from the pipeline, which names per-process folders (the
+    # saved tokenizer): ranks would not meet at the first checkpoint. Derive one from the config.
+    run_id = f"zephon_loader-{_config_digest(cfg)}" if configured.run_id is None and dp_world_size > 1 else None
+    dp = DataParallel(dp_rank, dp_world_size, aggregate_store=store, run_id=run_id)  # type: ignore[arg-type]
+    replicas = cfg.distributed.canonical_replicas
+    if replicas is not None and replicas % dp.size:
+        raise ValueError(
+            f"dataloader.distributed.canonical_replicas: got {replicas}, expected a multiple of the data-parallel "
+            f"size {dp.size}. Pick one divisible by every DP size you will run or resume with (e.g. 8 for 1, 2, 4, 8)."
+        )
+    return dp
+
+
+def _config_digest(cfg: TextLoaderConfig) -> str:
+    """A short hash of the config (the same on every rank that reads the same YAML)."""
+    return hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of ``epoch``: ``seed`` itself for epoch 0, then a hash of ``(seed, epoch)``.
+
+    Deterministic: the same on every run, rank and data-parallel size.
+    """
+    if epoch == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"zephon_loader.epoch:{seed}:{epoch}".encode()).digest()[:4], "big")
+
+
+def epoch_run_id_suffix(epoch: int) -> str:
+    """Suffix of the aggregation run id per epoch: a new pipeline's rounds never meet the last epoch's files."""
+    return "" if epoch == 0 else f".epoch{epoch}"
 
 
 def _build_pipeline_in(context: ContextManager[Any] | None, *args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,8 +62,9 @@ class TokenizerConfig:
         chat_template: Jinja text or file overriding the tokenizer's chat template.
         chat_loss_scope: Zephon's ``loss_scope``: ``all_assistant`` (default),
             ``last_span`` or ``after_last_user``.
-        special_tokens: Zephon's text bracketing, ``bos_eos`` (default: every
-            document is ``BOS ... EOS``), or another value Zephon accepts.
+        special_tokens: Zephon's text bracketing: ``bos_eos`` (default: every
+            document is ``BOS ... EOS``), ``bos``, ``eos``, ``none``, or
+            ``tokenizer_default`` (the tokenizer's own post-processor).
 
     Text documents are bracketed ``BOS ... EOS`` by Zephon; pretokenized ones are
     used as they are; chat ones end each assistant turn with EOS.
@@ -74,7 +76,7 @@ class TokenizerConfig:
     chat_field: str | None = None
     chat_template: str | None = None
     chat_loss_scope: Literal["all_assistant", "last_span", "after_last_user"] | None = None
-    special_tokens: str = "bos_eos"
+    special_tokens: Literal["bos_eos", "bos", "eos", "none", "tokenizer_default"] = "bos_eos"
 
 
 @dataclass(frozen=True)
@@ -105,15 +107,24 @@ class RuntimeConfig:
             (spawned workers; scripts need an ``if __name__ == "__main__"`` guard).
         max_workers: Zephon worker count (``None``: Zephon's default).
         prefetch_batches: Zephon's own consumer-side prefetch (exactly accounted in its checkpoints).
+        tokenize_parallelism: Tokenizing calls Zephon keeps in flight (``None``:
+            Zephon's default, 4 calls of 64 records). Lower it for corpora of
+            long documents: the first batch waits for fewer of them and less
+            text is held in memory (see README, "Memory and first batch").
     """
 
     runner: Literal["auto", "threads", "inline", "process"] = "auto"
     max_workers: int | None = None
     prefetch_batches: int | None = None
+    tokenize_parallelism: int | None = None
+
+    #: Keys applied to the tokenize stage rather than to ``RuntimeOptions``.
+    STAGE_KEYS = ("tokenize_parallelism",)
 
     def options(self) -> dict[str, Any]:
-        """The non-default values, as ``RuntimeOptions`` keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, "auto")}
+        """The non-default values of Zephon ``RuntimeOptions`` fields, as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self.STAGE_KEYS and getattr(self, f.name) not in (None, "auto")}
 
 
 @dataclass(frozen=True)
@@ -250,16 +261,35 @@ class TextLoaderConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"dataloader.sources: duplicate names in {names}; expected unique names")
         for index, source in enumerate(self.sources):
-            if not source.weight > 0:
-                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a number > 0")
+            if not source.name:
+                raise ValueError(f"dataloader.sources[{index}].name: got '', expected a non-empty name")
+            if not (math.isfinite(source.weight) and source.weight > 0):
+                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a finite number > 0")
+        replicas = self.distributed.canonical_replicas
+        if replicas is not None and replicas <= 0:
+            raise ValueError(f"dataloader.distributed.canonical_replicas: got {replicas}, expected an int > 0 or null")
+        if self.distributed.run_id == "":
+            raise ValueError("dataloader.distributed.run_id: got '', expected a non-empty run id or null")
         for name in ("sequence_length", "micro_batch_size", "block_mask_budget_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0")
+        for name in ("seed", "pad_token_id", "eos_token_id"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int >= 0")
+        for name in ("max_workers", "prefetch_batches", "tokenize_parallelism"):
+            value = getattr(self.runtime, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"dataloader.runtime.{name}: got {value}, expected an int > 0 or null")
         for name in ("max_record_tokens", "max_record_bytes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0 or null")
         if self.packing.num_bins is not None and self.packing.num_bins <= 0:
             raise ValueError(f"dataloader.packing.num_bins: got {self.packing.num_bins}, expected an int > 0 or null")
+        if self.packing.num_bins is not None and self.packing.algorithm not in ("first_fit", "best_fit"):
+            raise ValueError(
+                f"dataloader.packing.num_bins: got {self.packing.num_bins} with algorithm "
+                f"{self.packing.algorithm!r}, expected null (bins apply to first_fit/best_fit only)"
+            )
         if self.read_ahead < 0:
             raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
         if self.chunk_size is not None and self.chunk_size <= 0:
@@ -272,6 +302,22 @@ class TextLoaderConfig:
             raise ValueError(f"dataloader.tokenizer: got both {modes}; expected at most one of them")
         if tokenizer.chat_field is not None and tokenizer.path is None:
             raise ValueError("dataloader.tokenizer.path: chat_field needs a local tokenizer folder for the chat template")
+        for name in ("text_field", "pretokenized_field", "chat_field"):
+            if getattr(tokenizer, name) == "":
+                raise ValueError(f"dataloader.tokenizer.{name}: got '', expected a record field name")
+        if self.eligibility_field is not None and tokenizer.pretokenized_field is None:
+            raise ValueError(
+                f"dataloader.eligibility_field: got {self.eligibility_field!r} with {self.input_mode} input, expected "
+                "it only with tokenizer.pretokenized_field (tokenizing text adds and merges tokens, so a stored "
+                "per-token column cannot stay aligned; store token ids and eligibility together)"
+            )
+
+    @property
+    def input_mode(self) -> Literal["text", "pretokenized", "chat"]:
+        """How records become tokens: ``pretokenized``, ``chat`` or (default) ``text``."""
+        if self.tokenizer.pretokenized_field is not None:
+            return "pretokenized"
+        return "chat" if self.tokenizer.chat_field is not None else "text"
 
     def resolve_path(self, value: str) -> Path:
         """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""

@@ -87,6 +87,12 @@ class LaneHandoff:
         options = self._options
         return int(options.dp_group_id) if options.dp_group_id is not None else int(options.global_rank or 0)
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """``(dp_rank, dp_world_size)`` the pipeline was built for."""
+        options = self._options
+        return self._dp_group(), int(options.dp_degree or options.world_size or 1)
+
     def owned_lanes(self) -> frozenset[int]:
         """The lanes this rank reads now."""
         return frozenset(lane_mapping(self._options)[self._dp_group()])

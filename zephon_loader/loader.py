@@ -97,6 +97,12 @@ class ZephonLoader(StatefulDataLoader):
       new pass from the beginning (or from the state ``load_state_dict`` gave)
       and invalidates the previous iterator: advancing that one raises
       ``RuntimeError`` instead of silently moving the new pass.
+    * Epochs: every epoch reads each source once, in an order derived from
+      ``(seed, epoch)`` (the same on every run, rank and DP size). A pass
+      that follows an exhausted one starts the next epoch; ``set_epoch(e)``
+      (called by AutoModel's step scheduler, the HF Trainer, or the user)
+      chooses the epoch of the next ``iter()`` instead. A pass restarted
+      before its end restarts the same epoch. The state records the epoch.
     * ``state_dict()``: JSON- and pickle-safe dict (AutoModel's
       ``weights_only`` load accepts it). Taken after the training loop
       consumed ``k`` batches, a loader that ``load_state_dict``-s it yields
@@ -127,6 +133,7 @@ class ZephonLoader(StatefulDataLoader):
 
         {"format": "zephon_loader.state/2",
          "fingerprint": {...},                 # what fixes the stream (builders)
+         "epoch": int,                         # the epoch of the checkpoint (absent: 0)
          "zephon_checkpoint": {...},           # pipeline.checkpoint(): every lane
          "buffered": [{"lane": int,            # pulled from Zephon, not yet delivered,
                        "batch": {...}}, ...]}  # collated (readahead.encode_batch), in order
@@ -182,6 +189,8 @@ class ZephonLoader(StatefulDataLoader):
         self._generation = 0  # bumped by iter() and preview(): older iterators are stale
         self._started = False  # the node has been reset for a pass
         self._pending: dict[str, Any] | None = None  # loaded state, applied at the next iter()
+        self._exhausted = False  # the last pass ended: the next iter() starts the next epoch
+        self._epoch_chosen = False  # set_epoch() was called since: it decides the next epoch
         # Everything the finalizer touches is passed in: it must not keep the loader alive.
         self._finalizer = weakref.finalize(self, _release, self._read_ahead, source, self._handoff, on_close)
 
@@ -198,13 +207,19 @@ class ZephonLoader(StatefulDataLoader):
             self._generation += 1
             self._started = False
             if pending is None:
+                if self._exhausted and not self._epoch_chosen:
+                    self._source.set_epoch(self._source.epoch + 1)
                 self._read_ahead.reset(None)
             else:
                 owned = self._handoff.owned_lanes()
+                source_state = {ZephonSource.STATE_KEY: pending["zephon_checkpoint"]}
+                if pending["epoch"]:
+                    source_state[ZephonSource.EPOCH_KEY] = pending["epoch"]
                 self._read_ahead.reset({
-                    ReadAhead.SOURCE_KEY: {ZephonSource.STATE_KEY: pending["zephon_checkpoint"]},
+                    ReadAhead.SOURCE_KEY: source_state,
                     ReadAhead.BUFFERED_KEY: [e for e in pending["buffered"] if e[ReadAhead.LANE_KEY] in owned],
                 })
+            self._exhausted = self._epoch_chosen = False
             self._started = True
             return _Pass(self, self._generation)
 
@@ -217,11 +232,46 @@ class ZephonLoader(StatefulDataLoader):
                     "a later iter(loader) or preview() restarted the stream; advance the newest iterator, "
                     "or call iter(loader) once per pass"
                 )
-            batch = next(self._read_ahead)
+            try:
+                batch = next(self._read_ahead)
+            except StopIteration:
+                self._exhausted = True
+                raise
             counts = batch.pop(F.SOURCE_COUNTS, None)
             if self._stats is not None and counts is not None:
                 self._stats.add_delivered(counts)
             return batch
+
+    @property
+    def dp_rank(self) -> int:
+        """This loader's data-parallel rank (its Zephon lanes)."""
+        return self._handoff.data_parallel[0]
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel size the loader was built for."""
+        return self._handoff.data_parallel[1]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (or last read); see :meth:`set_epoch`."""
+        return self._source.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` at the next ``iter()`` (AutoModel's and the HF Trainer's hook).
+
+        Each epoch reads every source once in an order derived from ``(seed,
+        epoch)``: the same on every run, rank and data-parallel size. A state
+        loaded with :meth:`load_state_dict` takes precedence (it carries its
+        own epoch). Does not disturb a pass in progress.
+
+        Raises:
+            ValueError: Not an int >= 0.
+        """
+        with self._state_lock:
+            self._check_open()
+            self._source.set_epoch(epoch)
+            self._epoch_chosen = True
 
     def stats(self) -> dict[str, Any]:
         """What this loader delivered and dropped, per source and reason (:meth:`LoaderStats.snapshot`).
@@ -288,14 +338,16 @@ class ZephonLoader(StatefulDataLoader):
                 return copy.deepcopy(self._pending)
             if self._started:
                 node = self._read_ahead.get_state()
-                checkpoint = node[ReadAhead.SOURCE_KEY][ZephonSource.STATE_KEY]
+                source_state = node[ReadAhead.SOURCE_KEY]
                 local = node[ReadAhead.BUFFERED_KEY]
             else:  # start of the stream (no pass yet, or preview() restarted it)
-                checkpoint = self._source.state_dict()[ZephonSource.STATE_KEY]
+                source_state = self._source.state_dict()
                 local = []
+            checkpoint = source_state[ZephonSource.STATE_KEY]
             return {
                 "format": STATE_FORMAT,
                 "fingerprint": copy.deepcopy(self.fingerprint),
+                "epoch": int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
                 "zephon_checkpoint": checkpoint,
                 "buffered": self._handoff.gather(checkpoint, local),
                 "stats": self._stats.state_dict() if self._stats is not None else None,
@@ -369,6 +421,9 @@ class ZephonLoader(StatefulDataLoader):
                 f"cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
                 f"{saved_lanes} (any DP size that divides it)"
             )
+        epoch = state_dict.get("epoch", 0)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"state_dict.epoch: got {epoch!r}, expected an int >= 0 (the epoch the state was saved in)")
         buffered = state_dict.get("buffered")
         if not isinstance(buffered, list):
             raise ValueError(
@@ -384,12 +439,15 @@ class ZephonLoader(StatefulDataLoader):
             if not isinstance(batch, Mapping):
                 raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
             try:
-                decode_batch(batch)
-            except ValueError as error:
+                # The final map trusts what collate guarantees; a batch from a file must earn that trust here.
+                decoded = decode_batch(batch)
+                check_training_batch(decoded, decoded.get(F.ATTENTION_ELIGIBILITY))
+            except (TypeError, ValueError) as error:
                 raise ValueError(f"{where}.batch: {error}") from error
         return {
             "format": STATE_FORMAT,
             "fingerprint": copy.deepcopy(dict(saved)),
+            "epoch": epoch,
             "zephon_checkpoint": copy.deepcopy(dict(checkpoint)),
             "buffered": copy.deepcopy(buffered),
             "stats": self._checked_stats(state_dict.get("stats")),

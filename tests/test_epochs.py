@@ -1,0 +1,144 @@
+"""Epochs: each pass reads every source once, in an order derived from (seed, epoch), recorded in the state."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+from zephon_loader import build_text_loader
+from zephon_loader.builders import epoch_seed
+
+
+def _config(jsonl_sources, tokenizer_dir, **overrides: Any) -> dict[str, Any]:
+    config = {
+        "sources": [{"name": "a", "path": str(jsonl_sources["a"]), "weight": 1.0},
+                    {"name": "b", "path": str(jsonl_sources["b"]), "weight": 2.0}],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "sequence_length": 32,
+        "micro_batch_size": 4,
+        "packing": {"algorithm": "wrap"},
+        "seed": 7,
+        "read_ahead": 0,
+        "mask_cross_document_labels": False,  # the last label of a row is then always its (S+1)-th token
+        "runtime": {"runner": "threads"},
+    }
+    config.update(overrides)
+    return config
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A batch's packed rows of S + 1 tokens: ``input_ids`` plus the last label (-100 at padding)."""
+    return torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+
+
+def _pass(loader, limit: int | None = None) -> list[torch.Tensor]:
+    rows = []
+    for index, batch in enumerate(loader):
+        rows.append(_rows(batch))
+        if limit is not None and index + 1 == limit:
+            break
+    return rows
+
+
+def _token_counts(batches: list[torch.Tensor], padding_mask_pad: int) -> torch.Tensor:
+    """How often each token id occurs outside padding (pad id and -100 excluded)."""
+    tokens = torch.cat([b.flatten() for b in batches])
+    return torch.bincount(tokens[(tokens != padding_mask_pad) & (tokens >= 0)], minlength=1024)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_each_pass_after_an_exhausted_one_is_the_next_epoch_with_another_order(jsonl_sources, tokenizer_dir):
+    with build_text_loader(_config(jsonl_sources, tokenizer_dir)) as loader:
+        pad = loader.state_dict()["fingerprint"]["packing"][2]
+        first = _pass(loader)
+        assert loader.epoch == 0
+        second = _pass(loader)
+        assert loader.epoch == 1
+        third = _pass(loader)
+        assert loader.epoch == 2
+    assert not _same(first, second) and not _same(second, third)  # reshuffled (the old code replayed epoch 0)
+    # Every epoch reads every document once: the same tokens, in another order.
+    assert torch.equal(_token_counts(first, pad), _token_counts(second, pad))
+    assert torch.equal(_token_counts(first, pad), _token_counts(third, pad))
+
+
+def test_set_epoch_chooses_the_epoch_and_every_run_gives_the_same_order(jsonl_sources, tokenizer_dir):
+    config = _config(jsonl_sources, tokenizer_dir)
+    with build_text_loader(config) as loader:
+        epoch0 = _pass(loader)
+        epoch1 = _pass(loader)
+        loader.set_epoch(1)  # AutoModel / the HF Trainer call this before each epoch
+        assert _same(_pass(loader), epoch1)
+        loader.set_epoch(0)
+        assert _same(_pass(loader), epoch0)
+    with build_text_loader(config) as other:  # another run
+        other.set_epoch(1)
+        assert _same(_pass(other), epoch1)
+        assert other.epoch == 1
+
+
+def test_a_pass_restarted_before_its_end_restarts_the_same_epoch(jsonl_sources, tokenizer_dir):
+    with build_text_loader(_config(jsonl_sources, tokenizer_dir)) as loader:
+        head = _pass(loader, limit=3)
+        assert _same(_pass(loader, limit=3), head)
+        assert loader.epoch == 0
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+@pytest.mark.parametrize("round_trip", ["json", "pickle", "torch"])
+def test_state_saved_in_a_later_epoch_resumes_that_epoch_exactly(jsonl_sources, tokenizer_dir, tmp_path, read_ahead,
+                                                                  round_trip):
+    config = _config(jsonl_sources, tokenizer_dir, read_ahead=read_ahead)
+    with build_text_loader(config) as loader:
+        loader.set_epoch(2)
+        iterator = iter(loader)
+        for _ in range(5):
+            next(iterator)
+        state = loader.state_dict()
+        rest = [_rows(b) for b in iterator]
+        following = _pass(loader)  # the pass after: epoch 3
+    assert state["epoch"] == 2
+    if round_trip == "json":
+        state = json.loads(json.dumps(state))
+    elif round_trip == "pickle":
+        state = pickle.loads(pickle.dumps(state))
+    else:
+        torch.save(state, tmp_path / "state.pt")
+        state = torch.load(tmp_path / "state.pt", weights_only=True)
+    with build_text_loader(_config(jsonl_sources, tokenizer_dir, read_ahead=2 - read_ahead)) as resumed:
+        resumed.load_state_dict(state)
+        assert _same(_pass(resumed), rest)
+        assert resumed.epoch == 2
+        assert _same(_pass(resumed), following)
+
+
+def test_a_state_without_an_epoch_is_epoch_0_and_a_bad_epoch_is_refused(jsonl_sources, tokenizer_dir):
+    config = _config(jsonl_sources, tokenizer_dir)
+    with build_text_loader(config) as loader:
+        state = loader.state_dict()
+        assert state["epoch"] == 0
+        head = _pass(loader, limit=2)
+    del state["epoch"]
+    with build_text_loader(config) as loader:
+        loader.load_state_dict(state)
+        assert _same(_pass(loader, limit=2), head)
+        for bad in (-1, "1", True):
+            with pytest.raises(ValueError, match=r"state_dict\.epoch: got"):
+                loader.load_state_dict({**state, "epoch": bad})
+            with pytest.raises(ValueError, match=r"epoch: got"):
+                loader.set_epoch(bad)
+
+
+def test_epoch_seeds_are_fixed_numbers():
+    """The order of epoch e must not change between versions or machines: pin the derivation."""
+    assert epoch_seed(7, 0) == 7
+    assert [epoch_seed(7, e) for e in (1, 2)] == [epoch_seed(7, 1), epoch_seed(7, 2)]
+    assert len({epoch_seed(7, e) for e in range(50)}) == 50
+    assert epoch_seed(7, 1) == int.from_bytes(__import__("hashlib").sha256(b"zephon_loader.epoch:7:1").digest()[:4], "big")

@@ -1,0 +1,88 @@
+"""The tokenizer folder: checked, loaded once in the driver, its special ids read.
+
+Tokenizers are local folders written by ``save_pretrained`` — never hub ids,
+which cannot resolve offline (Zephon would retry with backoff, then fail).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from zephon_loader.errors import field_error as _err
+
+__all__ = ["check_token_id", "check_tokenizer_dir", "load_tokenizer", "pad_token_id_of"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def pad_token_id_of(tokenizer: Any) -> int | None:
+    """The pad id a tokenizer implies for packing: its pad token, else its EOS; None when it has neither."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def check_tokenizer_dir(where: str, path: Path) -> Path:
+    """A local folder that holds a saved tokenizer.
+
+    Args:
+        where: The config location for messages (``tokenizer.path``).
+        path: The resolved folder.
+
+    Raises:
+        ValueError: Not an existing folder (a hub id lands here), or no tokenizer file in it.
+    """
+    raw = os.fspath(path)
+    if not path.is_dir():
+        hint = (
+            "A hub id cannot resolve offline (Zephon would retry with backoff, then fail); "
+            "download it once and pass the local directory written by save_pretrained(dir)."
+            if not path.exists()
+            else "Pass the directory that holds tokenizer.json / tokenizer_config.json."
+        )
+        raise ValueError(_err(where, raw, "an existing local tokenizer directory", hint))
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            _err(where, raw, f"a directory containing one of {list(_TOKENIZER_FILES)}",
+                 "Write it with transformers' save_pretrained(dir).")
+        )
+    return path
+
+
+#: Oldest transformers major that loads the bundled and saved tokenizer folders
+#: (their ``tokenizer_config.json`` names ``TokenizersBackend``, a transformers 5 class).
+MIN_TRANSFORMERS_MAJOR = 5
+
+
+def load_tokenizer(path: Path, **options: Any) -> Any:
+    """Load in the driver, offline: to validate, read special-token ids, and hand to Zephon's ``tokenize``.
+
+    Raises:
+        ImportError: transformers missing or older than 5.
+        ValueError: The folder does not load (the message carries transformers' reason).
+    """
+    try:
+        import transformers
+        from transformers import AutoTokenizer
+    except Exception as exc:  # pragma: no cover - optional extra
+        raise ImportError("tokenizer folders need transformers >= 5: pip install 'zephon-loader[hf]'") from exc
+    major = int(transformers.__version__.split(".")[0])
+    if major < MIN_TRANSFORMERS_MAJOR:
+        raise ImportError(
+            f"transformers: got {transformers.__version__}, expected >= {MIN_TRANSFORMERS_MAJOR} (tokenizer folders "
+            f"saved by transformers 5 name the TokenizersBackend class). Fix: pip install 'transformers>=5'."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True, **options)
+    except Exception as exc:
+        raise ValueError(
+            _err("tokenizer", str(path), "a directory AutoTokenizer.from_pretrained can load offline",
+                 f"It failed with {type(exc).__name__}: {exc}. Re-save it with save_pretrained(dir).")
+        ) from exc
+
+
+def check_token_id(where: str, value: int, vocab: int) -> None:
+    """Raise when a configured token id is outside the tokenizer's vocabulary."""
+    if not 0 <= value < vocab:
+        raise ValueError(_err(where, value, f"an id in [0, {vocab}) (this tokenizer's vocabulary)",
+                              "Use an id of this tokenizer."))

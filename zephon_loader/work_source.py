@@ -1,0 +1,362 @@
+"""The work source: which records Zephon reads, in which order, on which data-parallel lane.
+
+First stage of the data flow (config → builder → **work source** → tokenize →
+pack → batch). It turns the configured shard folders into Zephon datasets, picks
+a chunk size with which every pass of every source is read whole, sets the
+flush cadence that goes with it, and gives this rank its Zephon lane:
+
+* :func:`build_work_source`: ``zephon.StaticMixtureWorkSource`` plus the
+  ``ShardTable`` that names a record's shard file and line, and the runtime
+  options of the lanes (:func:`lane_options`).
+* :func:`choose_chunk_size`: the whole-pass chunk-size rule (Zephon 0.2.0
+  skips the rest of a pass when a chunk's quota does not fit; see
+  :func:`_split_pass`).
+
+Everything here runs in the driver before any Zephon worker starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zephon_loader.config import TextLoaderConfig
+from zephon_loader.errors import field_error as _err
+from zephon_loader.records import ShardTable
+
+__all__ = [
+    "CHUNKS_PER_LANE",
+    "DEFAULT_CHUNK_SIZE",
+    "MAX_FLUSH_EVERY_K_CHUNKS",
+    "WorkSource",
+    "build_work_source",
+    "choose_chunk_size",
+    "lane_options",
+]
+
+#: Zephon's own default ``StaticMixtureWorkSource(chunk_size=...)``; the upper bound we pick from.
+DEFAULT_CHUNK_SIZE = 16384
+_JSONL_SUFFIX = ".jsonl"
+_PARQUET_SUFFIX = ".parquet"
+
+
+def check_source_dir(where: str, configured: str, path: Path) -> Path:
+    """A source folder that holds shards of one format.
+
+    Args:
+        where: The config location for messages, e.g. ``sources[0].path ('web')``.
+        configured: The path as configured (a URL is refused by name).
+        path: The resolved folder.
+
+    Raises:
+        ValueError: Not a local existing folder, no shards, or JSONL and Parquet mixed
+            (Zephon would silently read only the JSONL files).
+    """
+    if "://" in configured:
+        raise ValueError(_err(where, configured, "a local directory",
+                              "Download the shards and set the path to the local directory."))
+    raw = os.fspath(path)
+    if not path.exists():
+        raise ValueError(_err(where, raw, "an existing directory of .jsonl or .parquet shards", "Check the path."))
+    if not path.is_dir():
+        raise ValueError(_err(where, raw, "a directory (not a file)", "Pass the directory that holds the shards."))
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    jsonl = [n for n in names if n.endswith(_jsonl_suffixes())]
+    parquet = [n for n in names if n.endswith(_PARQUET_SUFFIX)]
+    if not jsonl and not parquet:
+        raise ValueError(
+            _err(where, raw, "a directory containing *.jsonl or *.parquet shards (none found)",
+                 "Point the source at the folder that holds the shard files.")
+        )
+    if jsonl and parquet:
+        raise ValueError(
+            _err(where, f"{len(jsonl)} .jsonl and {len(parquet)} .parquet files", "one shard format per directory",
+                 "Zephon reads only the JSONL files of a mixed directory; split the formats into two sources.")
+        )
+    return path
+
+
+def _jsonl_suffixes() -> tuple[str, ...]:
+    try:
+        from zephon._internal.io.suffixes import JSONL_SUFFIXES
+
+        return tuple(JSONL_SUFFIXES)
+    except Exception:  # pragma: no cover - private module moved
+        return (_JSONL_SUFFIX,)
+
+
+def _liveness_required(share: float, chunk_size: int) -> int:
+    """Zephon 0.2.0's repeat-policy bound (``StaticMixtureWorkSource`` validate_liveness)."""
+    quota = share * chunk_size
+    if quota.is_integer():
+        return int(quota)
+    return min(math.ceil(quota) + 1, chunk_size)
+
+
+#: With ``chunk_size=None`` and several DP lanes, the chunk size leaves at least this many chunks per lane.
+CHUNKS_PER_LANE = 8
+#: Zephon 0.2.0 flushes its packing (and batching) state every this many chunks per lane by default
+#: (``RuntimeOptions.flush_every_k_chunks``); each flush pads out the open rows.
+ZEPHON_FLUSH_EVERY_K_CHUNKS = 8
+#: Most chunks between flushes we ask for: every chunk between two flushes is kept in flight,
+#: saved in the checkpoint (about 170 bytes each: 1.4 MB and ~0.1 s per state at chunk size 1,
+#: like Zephon's default 8 chunks of 16384 records) and replayed on restore.
+MAX_FLUSH_EVERY_K_CHUNKS = 8192
+
+
+def _largest_servable_chunk_size(counts: Sequence[int], shares: Sequence[float], upper: int) -> int:
+    """Largest ``chunk_size <= upper`` Zephon's repeat-liveness check accepts; 0 when a dataset is empty.
+
+    With Zephon's default (repeat-until-one-pass) policy a dataset with
+    normalized weight ``w`` must hold at least ``w * chunk_size`` samples
+    (``ceil(.) + 1`` when fractional).
+    """
+
+    def fits(chunk: int) -> bool:
+        return all(n >= _liveness_required(s, chunk) for n, s in zip(counts, shares, strict=True))
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, int(upper)  # fits(lo) is the invariant
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _whole_passes(counts: Sequence[int], shares: Sequence[float], chunk: int) -> bool:
+    """Whether Zephon reads every pass of every dataset whole with this chunk size (see :func:`_split_pass`)."""
+    if chunk == 1:
+        return True
+    total = 0
+    for count, share in zip(counts, shares, strict=True):
+        quota = share * chunk
+        if not quota.is_integer() or quota < 1 or count % int(quota):
+            return False
+        total += int(quota)
+    return total == chunk
+
+
+def _split_pass(counts: Sequence[int], shares: Sequence[float], chunk: int) -> tuple[int, str] | None:
+    """Why ``chunk`` can end some dataset's pass inside a chunk: ``(dataset index, reason)``, or None.
+
+    Zephon 0.2.0's ``StaticMixtureWorkSource`` draws an integer quota per
+    dataset and chunk (``AccumulatorStrategy``: ``share * chunk_size`` plus a
+    carried fraction, corrected so the quotas sum to ``chunk_size``). When a
+    dataset's cursor holds fewer records than its quota, ``compute_quotas``
+    calls ``cursor.reset()``: the next pass starts and the records left in
+    the current one are never drawn. A pass is whole only if the cursor is
+    empty whenever it turns over, which holds when
+
+    * ``chunk == 1``: every quota is 0 or 1, so a cursor turns over only
+      when empty; or
+    * every ``share * chunk`` (in Zephon's float arithmetic) is a whole
+      number ``q`` and the quotas sum to ``chunk``: every chunk then draws
+      exactly ``q`` records of the dataset, and ``q`` divides its count.
+
+    Other sizes draw varying quotas; they are not accepted.
+    """
+    if _whole_passes(counts, shares, chunk):
+        return None
+    quotas = [share * chunk for share in shares]
+    for index, quota in enumerate(quotas):
+        if not quota.is_integer() or quota < 1:
+            return index, (f"it draws {quota:.4g} records per chunk on average, not a whole number, so its "
+                           "per-chunk draws vary and a pass can end inside a chunk")
+    if sum(int(q) for q in quotas) != chunk:
+        return 0, f"the per-source draws {[int(q) for q in quotas]} do not sum to chunk_size={chunk}"
+    index, count, quota = next(
+        (i, n, int(q)) for i, (n, q) in enumerate(zip(counts, quotas, strict=True)) if n % int(q))
+    return index, (f"it draws {quota} records per chunk, so the last {count % quota} of its "
+                   f"{count} records would be skipped in every pass")
+
+
+def _shares(weights: Sequence[float]) -> list[float]:
+    """Normalized weights as Zephon computes them (the quotas depend on the exact floats)."""
+    import zephon
+
+    normalized = zephon.MixtureSpec({str(i): float(w) for i, w in enumerate(weights)}).normalized
+    return [normalized[str(i)] for i in range(len(weights))]
+
+
+def choose_chunk_size(
+    counts: Sequence[int], weights: Sequence[float], *, upper: int = DEFAULT_CHUNK_SIZE
+) -> int:
+    """Largest ``chunk_size <= upper`` with which every pass of every dataset is delivered whole.
+
+    Zephon 0.2.0 skips the records a dataset has left in its pass when a
+    chunk's quota for it does not fit (see :func:`_split_pass`). With the
+    sizes returned here that never happens: every chunk draws exactly
+    ``share * chunk_size`` records of each dataset and that number divides
+    the dataset's record count, or ``chunk_size`` is 1 (always whole; one
+    chunk per record costs Zephon tens of microseconds of bookkeeping per
+    record). Zephon's repeat-liveness check accepts every size returned.
+
+    Args:
+        counts: Sample count of each dataset.
+        weights: Its mixture weight (any positive scale).
+        upper: Largest chunk size to consider.
+
+    Returns:
+        The chunk size, or 0 when some dataset is empty.
+    """
+    if any(int(n) <= 0 for n in counts):
+        return 0
+    shares = _shares(weights)
+    return next((chunk for chunk in range(int(upper), 1, -1) if _whole_passes(counts, shares, chunk)), 1)
+
+
+@dataclass(frozen=True)
+class WorkSource:
+    """What :func:`build_work_source` returns.
+
+    Attributes:
+        source: The ``zephon.StaticMixtureWorkSource`` (one pass of every source).
+        shards: Sample id → source, shard file and line/row (for error messages and drop logs).
+        chunk_size: Records per work chunk (whole passes guaranteed).
+        flush_every_k_chunks: Zephon's flush cadence for that chunk size.
+    """
+
+    source: Any
+    shards: ShardTable
+    chunk_size: int
+    flush_every_k_chunks: int
+
+
+def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None = None) -> WorkSource:
+    """The mixture of the configured shard folders, read in whole passes.
+
+    Args:
+        config: The validated loader config (sources, ``chunk_size``, ``shuffle``, ``seed``).
+        lanes: Zephon's canonical lane count (chunks are dealt to lanes whole).
+        seed: Overrides ``config.seed`` (e.g. an epoch's seed).
+
+    Raises:
+        ValueError: A missing/empty/mixed folder, or an explicit ``chunk_size``
+            with which some pass would not be read whole (the message names the
+            source and the size to use instead).
+    """
+    import zephon
+
+    names = [source.name for source in config.sources]
+    paths = [check_source_dir(f"sources[{i}].path ({source.name!r})", source.path, config.resolve_path(source.path))
+             for i, source in enumerate(config.sources)]
+    datasets = [zephon.Dataset.from_path(name, str(path)) for name, path in zip(names, paths, strict=True)]
+    counts = [int(ds.total()) for ds in datasets]
+    for i, (name, path, n) in enumerate(zip(names, paths, counts, strict=True)):
+        if n == 0:
+            raise ValueError(
+                _err(f"sources[{i}].path ({name!r})", os.fspath(path), "at least one record",
+                     "The shards are empty; add data or drop the source.")
+            )
+    weights = [source.weight for source in config.sources]
+    chunk_size, upper = _work_chunk_size(names, counts, weights, config.chunk_size, lanes)
+    # Every K chunks Zephon flushes packing and batching: the open rows are padded and a short batch
+    # is delivered (padded to B by collate). Keep the records between flushes near what its default
+    # K gives at the largest size the data allows, so small chunk sizes do not flush every few records.
+    flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS,
+                               max(ZEPHON_FLUSH_EVERY_K_CHUNKS, -(-ZEPHON_FLUSH_EVERY_K_CHUNKS * upper // chunk_size)))
+    source = zephon.StaticMixtureWorkSource(
+        datasets,
+        zephon.MixtureSpec(dict(zip(names, weights, strict=True))),
+        chunk_size=chunk_size,
+        seed=int(config.seed if seed is None else seed),
+        shuffle_shards=config.shuffle,
+        shuffle_within_shard=config.shuffle,
+        stop_after_passes=1,
+    )
+    return WorkSource(source, ShardTable.from_folders(names, paths), chunk_size, flush_every_k_chunks)
+
+
+def _work_chunk_size(
+    names: Sequence[str], counts: Sequence[int], weights: Sequence[float], chunk_size: int | None, lanes: int
+) -> tuple[int, int]:
+    """``(chunk size, the largest size the data allows)``: the configured size checked, or the chosen one."""
+    shares = _shares(weights)
+    largest = _largest_servable_chunk_size(counts, shares, DEFAULT_CHUNK_SIZE)
+    upper = largest
+    if lanes > 1:
+        # Zephon deals whole chunks to lanes: keep several chunks per lane, or
+        # with small sources one lane gets everything and the others nothing.
+        upper = max(1, min(largest, sum(counts) // (CHUNKS_PER_LANE * lanes)))
+    if chunk_size is None:
+        return choose_chunk_size(counts, weights, upper=upper), upper
+    if chunk_size > largest:
+        short = [
+            f"{name!r} has {n} records, needs {_liveness_required(s, chunk_size)}"
+            for name, n, s in zip(names, counts, shares, strict=True)
+            if n < _liveness_required(s, chunk_size)
+        ]
+        raise ValueError(
+            _err("chunk_size", chunk_size, f"at most {largest} for these sources ({'; '.join(short)})",
+                 "Set chunk_size: null to choose the largest size that fits, or add data.")
+        )
+    split = _split_pass(counts, shares, chunk_size)
+    if split is not None:
+        index, reason = split
+        chosen, below = (choose_chunk_size(counts, weights, upper=u) for u in (upper, chunk_size))
+        raise ValueError(
+            _err("chunk_size", chunk_size, "a size with which every pass of every source is read whole",
+                 f"With it, Zephon can skip the end of a pass of sources[{index}] ({names[index]!r}): "
+                 f"{reason}. Set chunk_size: null (picks {chosen} here)"
+                 + (f" or chunk_size: {below}." if below != chosen else "."))
+        )
+    return chunk_size, upper
+
+
+#: Zephon ``RuntimeOptions`` keys of the data-parallel layout (set by :func:`lane_options` only).
+DP_OPTION_KEYS = frozenset(
+    {"world_size", "global_rank", "dp_degree", "dp_group_id", "canonical_replicas", "aggregate_dir",
+     "aggregate_store", "run_id"}
+)
+
+
+def lane_options(
+    dp_rank: int, dp_world_size: int, *, canonical_replicas: int | None, aggregate_dir: str | None,
+    aggregate_store: str | None, run_id: str | None,
+) -> dict[str, Any]:
+    """Zephon ``RuntimeOptions`` giving this data-parallel rank its lane(s).
+
+    Zephon's world is the data-parallel group: tensor/pipeline peers of a DP
+    rank read the same lane, and only one of them saves its state (AutoModel
+    saves loader state on TP0/PP0 per DP rank), so the checkpoint collective
+    spans DP ranks only.
+
+    Raises:
+        ValueError: ``canonical_replicas`` not a multiple of ``dp_world_size``;
+            both or neither of ``aggregate_dir``/``aggregate_store`` with several ranks.
+    """
+    replicas = dp_world_size if canonical_replicas is None else canonical_replicas
+    if replicas % dp_world_size:
+        raise ValueError(
+            _err("distributed.canonical_replicas", replicas, f"a multiple of the data-parallel size {dp_world_size}",
+                 "Pick canonical_replicas divisible by every DP size you will resume with (e.g. 8 for 1, 2, 4, 8).")
+        )
+    if aggregate_dir is not None and aggregate_store is not None:
+        raise ValueError(_err("distributed.aggregate_dir/aggregate_store", (aggregate_dir, aggregate_store),
+                              "at most one", "Drop one."))
+    if dp_world_size > 1 and aggregate_dir is None and aggregate_store is None:
+        raise ValueError(
+            _err("distributed.aggregate_dir", None, f"a shared directory (or aggregate_store) with {dp_world_size} "
+                 "data-parallel ranks",
+                 "Zephon checkpoints are collective across ranks; set distributed.aggregate_dir: <shared fs path> "
+                 "or distributed.aggregate_store: torch:// (with torch.distributed initialized).")
+        )
+    options: dict[str, Any] = {}
+    if dp_world_size > 1 or canonical_replicas is not None:
+        options.update(world_size=dp_world_size, global_rank=dp_rank, dp_degree=dp_world_size,
+                       dp_group_id=dp_rank, canonical_replicas=replicas)
+    if aggregate_dir is not None:
+        options["aggregate_dir"] = aggregate_dir
+    if aggregate_store is not None:
+        options["aggregate_store"] = aggregate_store
+    if run_id is not None:
+        options["run_id"] = run_id
+    return options
