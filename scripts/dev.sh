@@ -4,8 +4,12 @@
 #   bash scripts/dev.sh demo [zephon-loader run args...]   # the main job on the bundled default
 #   bash scripts/dev.sh test [pytest args...]              # the test suite
 #   bash scripts/dev.sh env                                # only create/update .venv/
+#   bash scripts/dev.sh recipe [pytest args...]            # AutoModel's own recipe tests, in .venv-recipe/
 # PYTHON=/path/to/python3 selects the interpreter the environment is created from (default: python3).
 # ZEPHON_VENV=DIR puts the environment elsewhere (default: .venv in the clone).
+# ZEPHON_RECIPE_VENV=DIR does the same for the recipe environment (default: .venv-recipe in the clone):
+# nemo-automodel==0.7.0 installed with all its declared dependencies, kept apart from .venv/ because
+# it pins its own transformers.
 # A system interpreter that refuses installs (PEP 668, "externally managed") is never installed into.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,11 +40,11 @@ make_venv() {
   "$PYTHON" -m venv "$VENV"
 }
 
-# What decides whether the environment is up to date: this script's install steps, the project's
-# declared dependencies and the interpreter. The project itself is installed editable, so code changes
-# need no reinstall.
+# What decides whether the environment is up to date: this script's install steps (the function named
+# by $1), the project's declared dependencies and the interpreter. The project itself is installed
+# editable, so code changes need no reinstall.
 install_stamp() {
-  { sed -n '/^install()/,/^}/p' scripts/dev.sh; cat pyproject.toml scripts/constraints.txt; "$VPY" -VV; } \
+  { sed -n "/^$1()/,/^}/p" scripts/dev.sh; cat pyproject.toml scripts/constraints.txt; "$VPY" -VV; } \
     | "$VPY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'
 }
 
@@ -50,24 +54,40 @@ install() {
   # keeps every later install (and anything they pull in) on this torch.
   "${pip[@]}" "torch==2.13.0"
   "${pip[@]}" -e ".[hf,viz,test]"
-  # The reference consumer, used as a test oracle; its full dependency set needs CUDA.
+  # The reference consumer, used as a test oracle: its code only (its full dependency set, about 3 GB,
+  # lives in .venv-recipe/, see `dev.sh recipe`).
   "${pip[@]}" --no-deps "nemo-automodel==0.7.0"
 }
 
+# The recipe environment: AutoModel's LLM recipe really runs, so nemo-automodel comes with every
+# dependency it declares (the `automodel` extra), resolved together with the project's so pip picks
+# the transformers nemo-automodel pins (5.18.0). Its CUDA packages (quack-kernels, nvidia-cutlass-dsl,
+# cuda-bindings, triton) are plain wheels that install on a CPU machine; the extra caps triton below
+# 3.9, whose autotune check breaks `import nemo_automodel.recipes.llm.train_ft` (0.7.0's LoRA kernels).
+install_recipe() {
+  local pip=("$VPY" -m pip install --quiet -c scripts/constraints.txt)
+  "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" -e ".[test,hf,automodel]"
+}
+
+# ensure_env INSTALL_FUNCTION IMPORT_CHECK WHAT: (re)create $VENV and run the install function unless
+# the stamp matches and IMPORT_CHECK imports.
 ensure_env() {
+  local steps=${1:-install} check=${2:-torch, zephon_loader}
+  local what=${3:-torch==2.13.0 CPU first, then the project, then the nemo-automodel oracle}
   if [ ! -x "$VPY" ] || ! "$VPY" -c 'import sys' >/dev/null 2>&1; then
     rm -rf "$VENV"
     make_venv
   fi
   local want
-  want=$(install_stamp)
+  want=$(install_stamp "$steps")
   if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && "$VPY" -c 'import torch, zephon_loader' >/dev/null 2>&1; then
+    && "$VPY" -c "import $check" >/dev/null 2>&1; then
     return 0
   fi
-  say "installing into $VENV/ (torch==2.13.0 CPU first, then the project, then the nemo-automodel oracle)"
+  say "installing into $VENV/ ($what)"
   rm -f "$STAMP"
-  install
+  "$steps"
   echo "$want" >"$STAMP"
 }
 
@@ -87,8 +107,17 @@ case "$mode" in
     ensure_env
     say "ready: . $VENV/bin/activate"
     ;;
+  recipe)
+    VENV=${ZEPHON_RECIPE_VENV:-.venv-recipe}
+    VPY="$VENV/bin/python"
+    STAMP="$VENV/.zephon-install-stamp"
+    ensure_env install_recipe "torch, zephon_loader, nemo_automodel.recipes.llm.train_ft" \
+      "torch==2.13.0 CPU first, then the project with nemo-automodel==0.7.0 and all its dependencies"
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    exec "$VPY" -m pytest -q -p no:cacheprovider tests/recipe "$@"
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test|env} [args...]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|env|recipe} [args...]" >&2
     exit 2
     ;;
 esac

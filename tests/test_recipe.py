@@ -495,19 +495,27 @@ def test_automodel_base_recipe_routes_the_loader_to_per_dp_rank_checkpoints(sour
         assert is_dataloader(loader)
 
 
-def test_validation_copy_with_packing_none_still_builds_packed(sources, tokenizer):
-    """AutoModel's ``_should_pack_validation`` calls ``dataclasses.replace(config, packing=None)``."""
+def test_validation_copy_with_packing_none_is_a_validation_loader(sources, tokenizer):
+    """AutoModel's ``_should_pack_validation`` calls ``dataclasses.replace(config, packing=None)``: that copy
+    builds one unshuffled ``wrap`` pass, the whole set on every DP rank (tests/test_validation_loader.py)."""
     import dataclasses
+    import warnings
 
-    config = instantiate(sources)
+    config = instantiate(sources[:1])
     unpacked = dataclasses.replace(config, packing=None)
+    assert unpacked.is_validation and not config.is_validation
     assert unpacked.emits_thd is False
     assert unpacked.sources == config.sources and unpacked.seed == config.seed
-    with pytest.warns(UserWarning, match="always packs"):
-        loader = recipe_build(unpacked, tokenizer)
-    with loader:
-        batch = next(iter(loader))
-    assert batch[F.INPUT_IDS].shape[1] == config.sequence_length
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaders = [recipe_build(unpacked, tokenizer, dp_rank=rank, dp_world_size=2) for rank in (0, 1)]
+    for loader in loaders:
+        assert loader.fingerprint["packing"][0] == "wrap" and loader.fingerprint["shuffle"] is False
+    with loaders[0] as first, loaders[1] as second:
+        assert_same_batches(collect(first), collect(second))
+        assert first.stats()["dropped"] == {}
+    with pytest.raises(ValueError, match=r"dataloader\.sources: got 2 sources"):
+        dataclasses.replace(instantiate(sources), packing=None)
 
 
 def test_model_contract_without_qkv_format_takes_the_yaml_thd(sources, tokenizer):

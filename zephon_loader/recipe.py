@@ -16,19 +16,28 @@ checkpoint. :class:`ZephonDataloaderConfig` answers all of that::
       ...            # every key of zephon_loader.config.TextLoaderConfig
 
 AutoModel 0.7.0's ``DataloaderConfig`` refuses other ``dataloader._target_``
-values, so a recipe must hold this object where it held ``DataloaderConfig``.
+values, so a recipe must hold this object where it held ``DataloaderConfig``:
+:class:`zephon_loader.automodel.ZephonFinetuneRecipe` is AutoModel's LLM recipe
+doing that (``recipe: zephon_loader.automodel.ZephonFinetuneRecipe``).
+
+Validation: AutoModel builds validation loaders from
+``dataclasses.replace(config, packing=None)`` (``_should_pack_validation``).
+Such a copy (or a YAML ``packing: null``) is a *validation loader*: one
+unshuffled pass, ``wrap`` packing, so every token of every document is
+delivered exactly once (documents longer than a row are split across rows,
+never skipped; ``loader.stats()`` shows every record delivered and nothing
+dropped), read whole on every DP rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from zephon_loader.builders import build_text_loader
-from zephon_loader.config import PackingOptions, TextLoaderConfig
+from zephon_loader.config import DistributedConfig, PackingOptions, TextLoaderConfig
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import validate_packing_contract
 
@@ -39,13 +48,36 @@ class ZephonDataloaderConfig(TextLoaderConfig):
 
     It *is* a :class:`~zephon_loader.config.TextLoaderConfig` (a frozen
     dataclass), so AutoModel's ``dataclasses.replace(config, packing=None)``
-    (used for validation loaders) works; such a copy still packs (Zephon's
-    loader only produces packed batches) and warns when built.
+    (how it asks for an unpacked validation loader) works. ``packing=None``
+    makes a validation loader (Zephon's loader only produces packed rows):
+
+    * finite and deterministic: one pass per ``iter()``, ``shuffle`` off, the
+      same batches on every pass;
+    * every token of every document exactly once: ``wrap`` packing splits
+      documents longer than a row across consecutive rows instead of skipping
+      them, and a single source is read exactly once (a mixture repeats its
+      smaller sources, so several sources are refused: give each validation
+      set its own loader). A row holds ``S + 1`` tokens: its ``input_ids``
+      and the target of its last label. Rows do not overlap, so the loss
+      covers every token but each document's first and the first of each row
+      that continues a split document (only an input there, with no context
+      from the previous row);
+    * read whole on every DP rank (lanes would give ranks different batch
+      counts, and the model's forward is a collective under FSDP/DDP): the
+      recipe's all-reduced validation loss is the whole set's at any DP size.
+      The ``distributed`` settings do not apply to it.
+
+    ``loader.stats()`` of a validation loader shows every record delivered
+    once per pass (``documents`` equal to the source's records, ``tokens`` to
+    its tokens) and ``dropped`` empty.
 
     Args:
         **kwargs: The keys of :class:`~zephon_loader.config.TextLoaderConfig`
             (validated now: unknown keys and wrong types raise here, before any
             worker starts).
+
+    Raises:
+        ValueError: ``packing=None`` with more than one source.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -56,11 +88,23 @@ class ZephonDataloaderConfig(TextLoaderConfig):
         missing = sorted(name for name in ("sources", "sequence_length", "micro_batch_size") if name not in kwargs)
         if missing:
             raise ValueError(f"dataloader.{missing[0]}: missing; expected it in the dataloader section")
-        unpacked = "packing" in kwargs and kwargs["packing"] is None
-        if unpacked:
+        validation = "packing" in kwargs and kwargs["packing"] is None
+        if validation:
             kwargs = {name: value for name, value in kwargs.items() if name != "packing"}
-        object.__setattr__(self, "_unpacked_request", unpacked)
+        object.__setattr__(self, "_validation", validation)
         super().__init__(**kwargs)
+        if validation and len(self.sources) > 1:
+            raise ValueError(
+                f"dataloader.sources: got {len(self.sources)} sources {[s.name for s in self.sources]} for a "
+                "validation loader (packing: null); it reads every document exactly once, but a mixture repeats "
+                "its smaller sources until the largest is read; give each source its own validation loader "
+                "(AutoModel: one validation_dataloader_<name> block each)"
+            )
+
+    @property
+    def is_validation(self) -> bool:
+        """Whether this is a validation loader (built from ``packing=None``; see the class docstring)."""
+        return self._validation
 
     # -- what the recipe reads ------------------------------------------------------------
     @property
@@ -91,7 +135,12 @@ class ZephonDataloaderConfig(TextLoaderConfig):
         """Build this rank's loader.
 
         Args:
-            dp_rank, dp_world_size: Data-parallel coordinates → Zephon's DP lane.
+            dp_rank, dp_world_size: Data-parallel coordinates → Zephon's DP
+                lane. When they are ``torch.distributed``'s default group
+                (plain data parallelism), the loader takes them from it, so
+                ``distributed.aggregate_store`` defaults to ``torch://`` (see
+                ``build_text_loader``). A validation loader ignores them: every
+                rank reads it whole.
             pp_enabled: Pipeline parallelism needs full batches; Zephon always
                 drops the final partial batch, so nothing more is needed.
             tokenizer: Used when the YAML names no tokenizer path.
@@ -131,21 +180,34 @@ class ZephonDataloaderConfig(TextLoaderConfig):
                 f"to a multiple of 2 * cp_size = {2 * cp_size}, which Zephon's pack_flat does not produce; use "
                 "cp_size 1 or a 'bshd' contract (document_ids + metadata)"
             )
-        if self._unpacked_request:
-            warnings.warn(
-                "zephon_loader: the recipe asked for an unpacked loader (packing=None, e.g. for validation); "
-                f"Zephon's loader always packs, so it is built with packing {PackingOptions()}",
-                stacklevel=2,
+        config: TextLoaderConfig = self
+        coordinates: tuple[int | None, int | None] = (dp_rank, dp_world_size)
+        if self._validation:
+            # One unshuffled pass of wrap-packed rows, the whole set on every rank (see the class docstring).
+            config = dataclasses.replace(
+                self, packing=PackingOptions(algorithm="wrap"), shuffle=False, distributed=DistributedConfig()
             )
+            coordinates = (0, 1)
+        elif _is_default_group(dp_rank, dp_world_size):
+            coordinates = (None, None)  # build_text_loader takes them from the group, with its torch:// store
         return build_text_loader(
-            self,
+            config,
             packing_contract=contract,
             tokenizer=tokenizer,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
+            dp_rank=coordinates[0],
+            dp_world_size=coordinates[1],
             collate_wrapper=collate_wrapper,
             dataset_build_context=dataset_build_context,
         )
+
+
+def _is_default_group(dp_rank: int, dp_world_size: int) -> bool:
+    """Whether ``(dp_rank, dp_world_size)`` are this process's rank and size in torch.distributed's default group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return (dp_rank, dp_world_size) == (dist.get_rank(), dist.get_world_size())
 
 
 def _is_automodel_default(contract: object) -> bool:
