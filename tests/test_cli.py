@@ -225,10 +225,87 @@ def test_inspect_bundled_default_writes_a_png(capsys, tmp_path):
 
 def test_inspect_config_and_row(capsys, loader_yaml, tmp_path):
     out = tmp_path / "b.png"
-    assert cli.main(["inspect", str(loader_yaml()), "--out", str(out), "--row", "99"]) == 0  # row is clamped
+    assert cli.main(["inspect", str(loader_yaml()), "--out", str(out), "--row", "2"]) == 0  # B = 3: the last row
     data = out.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 20_000
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("row", ["3", "99", "-1"])
+def test_inspect_refuses_a_row_outside_the_batch(capsys, loader_yaml, tmp_path, row):
+    """--row 99 with B=3 was silently clamped to the last row; now it is refused before anything is built."""
+    out = tmp_path / "b.png"
+    assert cli.main(["inspect", str(loader_yaml()), "--out", str(out), "--row", row]) == 2
+    err = capsys.readouterr().err
+    assert f"--row: got {row}, expected a row index in [0, 3) (micro_batch_size is 3" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_inspect_without_matplotlib_names_the_viz_extra(capsys, monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "b.png"
+    assert cli.main(["inspect", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "pip install 'zephon-loader[viz]'" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_id_colours_are_categorical_and_padding_is_distinct():
+    """Padding was drawn with the colour of a document (tab20 at 0); every class now has its own colour."""
+    import numpy as np
+    import torch
+
+    ids = torch.tensor([[1, 1, 2, 3, 3, 0, 0], [1, 2, 3, 4, 5, 6, 7]] + [list(range(1, 8))], dtype=torch.int64)
+    ids[2] += 15  # ids 16..22: past the palette length, colours repeat
+    padding = torch.zeros_like(ids, dtype=torch.bool)
+    padding[0, 6] = True
+    colours = cli.id_colours(ids, padding)  # [B, S, 4]
+    assert colours.shape == (3, 7, 4)
+    assert tuple(colours[0, 6]) == cli.PADDING_RGBA
+    assert tuple(colours[0, 5]) == cli.UNATTENDED_RGBA  # id 0, not padding: an ineligible token
+    documents = colours[ids > 0]
+    assert not any(np.array_equal(c, cli.PADDING_RGBA) or np.array_equal(c, cli.UNATTENDED_RGBA) for c in documents)
+    # neighbouring documents of a row never share a colour, and the same id always gets the same colour
+    for r in range(3):
+        for j in range(6):
+            if ids[r, j] != ids[r, j + 1] and ids[r, j + 1] > 0:
+                assert not np.array_equal(colours[r, j], colours[r, j + 1]), (r, j)
+    assert np.array_equal(colours[0, 2], colours[1, 1])  # id 2 in both rows
+    palette = cli._document_palette()
+    assert len({tuple(c) for c in palette}) == len(palette)  # no repeated colour
+    assert all(not np.allclose(c[0], c[1]) or not np.allclose(c[1], c[2]) for c in palette)  # no grey
+
+
+def test_draw_batch_panels_have_legends_not_colour_bars(loader_yaml):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    one_open_row = {"algorithm": "first_fit", "num_bins": 1}  # a row closes when the next document does not fit
+    with cli.build_from_yaml(loader_yaml(sequence_length=64, packing=one_open_row)) as loader:
+        batch = loader.preview()
+    figure = cli.draw_batch(batch, 1, "t", xdoc=False)
+    try:
+        assert len(figure.axes) == 4  # a colour bar would add an axis
+        ids_axis, attention_axis, classes_axis, mask_axis = figure.axes
+        drawn = ids_axis.images[0].get_array()
+        assert np.array_equal(drawn, cli.id_colours(batch[F.DOCUMENT_IDS], batch[F.PADDING_MASK]))
+        padding = batch[F.PADDING_MASK].numpy()
+        assert padding.any() and (drawn[padding] == cli.PADDING_RGBA).all()
+        assert not (drawn[~padding] == cli.PADDING_RGBA).all(axis=-1).any()
+        for axis in figure.axes:
+            labels = [text.get_text() for text in axis.get_legend().get_texts()]
+            assert labels, axis.get_title()
+        assert "padding" in [t.get_text() for t in ids_axis.get_legend().get_texts()]
+        class_labels = [t.get_text() for t in classes_axis.get_legend().get_texts()]
+        assert class_labels[0] == f"padding: {int(padding.sum()):,}"
+        assert "row 1" in mask_axis.get_title()
+    finally:
+        plt.close(figure)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -273,11 +350,166 @@ def test_run_reports_deliveries_and_drops(capsys, loader_yaml, tmp_path):
     report = json.loads(report_path.read_text())
     longer = report["dropped"]["longer_than_row"]
     assert longer["documents"] > 0 and longer["tokens"] > 17 * longer["documents"]
-    assert re.search(rf"^\s+longer_than_row\s+{longer['documents']:,} documents, {longer['tokens']:,} tokens; "
+    assert re.search(rf"^\s+longer_than_row\s+{longer['documents']:,} documents, {longer['tokens']:,} tokens "
+                     r"\(longer than a row: first_fit/best_fit cannot split it\); "
                      r"first at source '[ab]', shard .*part-0000[01]\.jsonl, line \d+$", out, re.MULTILINE)
+    assert longer["why"] == "longer than a row: first_fit/best_fit cannot split it"
+    hint = (f"packing.algorithm first_fit dropped {longer['documents']:,} documents longer than a row "
+            f"(sequence_length + 1 = 17 tokens): use packing.algorithm: wrap to keep long documents (split across rows)")
+    assert report["hints"] == [hint]
+    assert out.count("hint: ") == 1 and f"  hint: {hint}" in out
     for name in ("a", "b"):
         delivered = report["sources"][name]["delivered"]
         dropped = report["sources"][name]["dropped"].get("longer_than_row", {"documents": 0})["documents"]
         assert delivered["documents"] > 0
         assert delivered["documents"] + dropped == 100  # every record of the pass: delivered once, or counted
         assert re.search(rf"source '{name}'\s+{delivered['documents']:,} documents", out)
+
+
+def test_every_document_longer_than_a_row_is_one_line_that_steers_to_wrap(capsys, loader_yaml):
+    """All dropped under first_fit: the error must not say to lower sequence_length (that drops more)."""
+    assert cli.main(["run", str(loader_yaml(sequence_length=2, packing={"algorithm": "first_fit"}))]) == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("zephon-loader: error:"))
+    assert "the loader yielded no batch: every record was dropped (longer_than_row: 200 (first at source '" in line
+    assert line.endswith("use packing.algorithm: wrap to keep long documents (split across rows), or raise sequence_length")
+    assert "lower" not in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- failures while iterating
+
+
+@pytest.fixture
+def bad_record_yaml(tmp_path, tokenizer_dir):
+    folder = tmp_path / "bad"
+    (folder / "shards").mkdir(parents=True)
+    lines = [json.dumps({"text": f"document number {i} alpha beta"}) for i in range(40)]
+    lines[25] = json.dumps({"text": None})
+    (folder / "shards" / "part-00000.jsonl").write_text("\n".join(lines) + "\n")
+    path = folder / "bad.yaml"
+    path.write_text(yaml.safe_dump({"dataloader": {
+        "sources": [{"name": "web", "path": "shards"}], "tokenizer": {"path": str(tokenizer_dir)},
+        "sequence_length": 16, "micro_batch_size": 2, "shuffle": False, "runtime": {"runner": "threads"},
+    }}))
+    return path
+
+
+def test_bad_record_found_while_iterating_is_one_line(capsys, bad_record_yaml):
+    assert cli.main(["run", str(bad_record_yaml)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "zephon-loader: error:" in line]
+    assert line.endswith("field 'text' got null, expected a string. Store the document text as one JSON string. "
+                         "(or set on_bad_record: skip to leave such records out, counted in loader.stats())")
+    assert "source 'web', shard " in line and "part-00000.jsonl, line 26:" in line
+
+
+def test_worker_crash_of_a_user_error_is_one_line_and_other_crashes_are_bugs():
+    """Zephon's process runner re-raises a worker's exception as WorkerCrashed (a RuntimeError)."""
+    from zephon._internal.runners.concurrent import WorkerCrashed, WorkerErrorInfo
+
+    message = "source 'web', shard /d/part-00000.jsonl, line 2: field 'text' got null, expected a string."
+    crashed = WorkerCrashed(WorkerErrorInfo("BadRecordError", message, "Traceback (most recent call last):\n ..."))
+    assert cli._user_error(crashed) == message
+    assert cli._user_error(WorkerCrashed(WorkerErrorInfo("FileNotFoundError", "no such file: x", "tb"))) == "no such file: x"
+    assert cli._user_error(WorkerCrashed(WorkerErrorInfo("AssertionError", "bug", "tb"))) is None
+    assert cli._user_error(WorkerCrashed(WorkerErrorInfo("IndexError", "bug", "tb"))) is None
+    assert cli._user_error(RuntimeError("bug")) is None
+    assert cli._user_error(ValueError("a\n  multi-line\nmessage")) == "a multi-line message"
+
+
+def test_a_bug_keeps_its_traceback_and_ctrl_c_is_one_line(capsys, monkeypatch):
+    def broken(config, steps):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(cli, "run", broken)
+    with pytest.raises(KeyError, match="internal"):
+        cli.main(["run"])
+
+    def interrupted(config, steps):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    assert cli.main(["run"]) == cli.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "zephon-loader: interrupted\n"
+
+
+#: Zephon 0.2.0's PackSequences warning at each flush of an uncapped wrap (pack_sequences.py).
+ZEPHON_WRAP_NOTICE = (
+    "PackSequences wrap: dropping %s trailing token(s) across %d packing group(s) in %d lane(s) that did not "
+    "fill a full max_length=%d bin; emitted %d tombstone(s) to close contributor offsets."
+)
+
+
+def test_zephon_packing_notices_are_summarized_once_in_the_report(capsys, monkeypatch, loader_yaml, tmp_path):
+    """Zephon's per-flush lines went to stderr one by one, through the progress bar; now counted and reported once."""
+    import logging
+
+    from zephon_loader import builders
+
+    real_build = builders.build_text_loader
+
+    class Noisy:
+        """The real loader; Zephon's notice logged (by Zephon's own logger) with every batch."""
+
+        def __init__(self, loader):
+            self.loader = loader
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.loader.close()
+
+        def __iter__(self):
+            for batch in self.loader:
+                logging.getLogger("zephon._internal.ops.pack_sequences").warning(ZEPHON_WRAP_NOTICE, 7, 1, 1, 49, 2)
+                yield batch
+
+        def stats(self):
+            return self.loader.stats()
+
+    monkeypatch.setattr(builders, "build_text_loader", lambda config: Noisy(real_build(config)))
+    report_path = tmp_path / "r.json"
+    assert cli.main(["run", str(loader_yaml()), "--steps", "5", "--json", str(report_path)]) == 0
+    captured = capsys.readouterr()
+    assert "PackSequences" not in captured.err
+    report = json.loads(report_path.read_text())
+    assert report["zephon_log"] == {"wrap_trailing_tokens_dropped": {
+        "log_records": 5, "tokens": 35, "packing_groups": 5, "tombstones": 10, "max_length": 49}}
+    (line,) = [line for line in captured.out.splitlines() if "zephon log:" in line]
+    assert "wrap dropped 35 trailing token(s) that did not fill a max_length=49 row" in line
+    assert "logged by 5 flush(es)" in line
+    assert not logging.getLogger("zephon._internal.ops.pack_sequences").filters  # removed after the command
+    assert not [h for h in logging.getLogger().handlers if isinstance(h, cli._TqdmLogHandler)]
+
+
+# ----------------------------------------------------------------------------- --version, --help
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"zephon-loader {version}\n"
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_import_neither_torch_nor_zephon(flag):
+    """``zephon-loader --help`` took 7-13 s on a fresh machine: it imported torch first."""
+    code = (
+        "import sys\n"
+        "from zephon_loader.cli import main\n"
+        "try:\n"
+        f"    main([{flag!r}])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted(m for m in ('torch', 'zephon', 'transformers', 'numpy', 'matplotlib') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "zephon-loader" in result.stdout
+    assert result.stdout.strip().endswith("HEAVY []"), result.stdout[-300:]

@@ -180,6 +180,7 @@ class ReadAhead(BaseNode):
         self._source_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._closed = False  # close() until the next reset(): next() raises
 
     @property
     def buffered(self) -> int:
@@ -195,6 +196,7 @@ class ReadAhead(BaseNode):
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
         self._shutdown()
+        self._closed = False
         restored: list[_Pending] = []
         source_state = None
         if initial_state is not None:
@@ -232,6 +234,7 @@ class ReadAhead(BaseNode):
     def close(self) -> None:
         """Stop the background thread (the source is left to its owner). Idempotent."""
         self._shutdown()
+        self._closed = True
 
     def _shutdown(self) -> None:
         thread = self._thread
@@ -292,6 +295,9 @@ class ReadAhead(BaseNode):
 
     # -- consumer side ----------------------------------------------------------------
     def next(self) -> Any:
+        if self._closed:
+            raise RuntimeError("ReadAhead: next() after close(); batches read ahead are not delivered. "
+                               "reset() starts a new pass")
         item = self._take()
         if isinstance(item, _End):
             raise StopIteration
