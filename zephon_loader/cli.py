@@ -28,7 +28,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from zephon_loader import __version__
 
@@ -99,12 +99,28 @@ def _no_batch_error(config: Path, dropped: dict[str, Any]) -> ValueError:
     )
 
 
-def _hints(config: TextLoaderConfig, dropped: dict[str, Any]) -> list[str]:
+def _reader_and_builder(config: Path) -> tuple[Any, Callable[[Any], Any]]:
+    """The config a YAML file holds and the builder for it: the image-text loader's, or the text loader's."""
+    from zephon_loader.config import read_loader_config
+    from zephon_loader.image_cli import is_image_config
+
+    if is_image_config(config):
+        from zephon_loader.image_builder import build_image_loader
+        from zephon_loader.image_config import ImageLoaderConfig
+
+        return read_loader_config(config, ImageLoaderConfig), build_image_loader
+    from zephon_loader.builders import build_text_loader
+
+    return read_loader_config(config), build_text_loader
+
+
+def _hints(config: Any, dropped: dict[str, Any]) -> list[str]:
     """Advice the report prints after the drops."""
+    from zephon_loader.config import TextLoaderConfig
     from zephon_loader.records import LONGER_THAN_ROW
 
-    if LONGER_THAN_ROW not in dropped:
-        return []
+    if LONGER_THAN_ROW not in dropped or not isinstance(config, TextLoaderConfig):
+        return []  # image-text records are never split: packing.oversized says what happens to long ones
     entry = dropped[LONGER_THAN_ROW]
     return [
         f"packing.algorithm {config.packing.algorithm} dropped {entry['documents']:,} documents longer than a row "
@@ -162,16 +178,15 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     from tqdm import tqdm
 
     from zephon_loader import fields as F
-    from zephon_loader.builders import build_text_loader
-    from zephon_loader.config import read_loader_config
+    from zephon_loader.image_cli import image_counts
 
     out = sys.stdout if out is None else out  # looked up per call, so redirect_stdout/capture work
 
     started = time.perf_counter()
-    cfg = read_loader_config(config)
-    with _command_logging() as notices, build_text_loader(cfg) as loader:
+    cfg, build = _reader_and_builder(config)
+    with _command_logging() as notices, build(cfg) as loader:
         built = time.perf_counter()
-        batches = tokens = padding = supervised = positions = ranges = rows = 0
+        batches = tokens = padding = supervised = positions = ranges = rows = images = 0
         first: dict[str, Any] | None = None
         for batch in tqdm(loader, total=steps, desc="batches", unit="batch", file=sys.stderr, leave=False):
             if first is None:
@@ -185,6 +200,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
             supervised += int((batch[F.LABELS] != F.IGNORE_INDEX).sum())
             ids = _attention_ids(batch)
             ranges += int(ids.amax(dim=1).sum()) if ids is not None else pad.shape[0]
+            images += image_counts(batch)[0]
             if steps is not None and batches >= steps:
                 break
         elapsed = time.perf_counter() - built
@@ -203,6 +219,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
         "padding_fraction": round(padding / positions, 4),
         "documents_per_row": round(ranges / rows, 2),
         "label_supervised_fraction": round(supervised / positions, 4),
+        "images": images,
         "fields": {name: _describe(value) for name, value in first.items()},
         "sources": stats["sources"],
         "dropped": dropped,
@@ -215,6 +232,8 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     print(f"  padding fraction        {report['padding_fraction']:.4f}", file=out)
     print(f"  documents per row       {report['documents_per_row']:.2f}  (attention ranges)", file=out)
     print(f"  label-supervised frac.  {report['label_supervised_fraction']:.4f}", file=out)
+    if images:
+        print(f"  images                  {images:,}  ({images / elapsed:,.0f} images/s)", file=out)
     for name, entry in report["sources"].items():
         delivered = entry["delivered"]
         print(f"  source {name!r:17s} {delivered['documents']:,} documents, {delivered['tokens']:,} tokens delivered",
@@ -397,8 +416,11 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
 
     from zephon_loader.builders import build_text_loader
     from zephon_loader.config import read_loader_config
+    from zephon_loader.image_cli import inspect_images, is_image_config
     from zephon_loader.zephon_logs import summarize_zephon_logs
 
+    if is_image_config(config):  # image spans, fillers, padding and the three position axes
+        return inspect_images(config, out_png, row)
     cfg = read_loader_config(config)
     rows = cfg.micro_batch_size
     if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < rows:

@@ -183,8 +183,60 @@ class DistributedConfig:
     run_id: str | None = None
 
 
+class LoaderSchema:
+    """What the text and image loader configs share: the YAML reader's hooks, typed coercion,
+    the source and distributed checks, and path resolution.
+
+    A subclass is a frozen dataclass with ``sources``, ``distributed`` and ``base_dir`` fields.
+    """
+
+    #: The bundled example the YAML reader points to.
+    EXAMPLE_CONFIG = "configs/demo.yaml"
+    #: The ``_target_`` a YAML node of this schema names.
+    YAML_TARGET = "zephon_loader.ZephonDataloaderConfig"
+
+    @classmethod
+    def prepare_node(cls, node: dict[str, Any]) -> dict[str, Any]:
+        """The YAML node before :func:`from_mapping` reads it (a hook for fields with their own readers)."""
+        return node
+
+    def _coerce_fields(self, schema: type) -> None:
+        # Typed coercion of every field (a no-op for values already typed), so that
+        # Schema(**plain_yaml_values) is as strict as from_mapping.
+        hints = typing.get_type_hints(schema)
+        for spec in dataclasses.fields(schema):
+            value = _convert(getattr(self, spec.name), hints[spec.name], f"{LOADER_SECTION}.{spec.name}")
+            object.__setattr__(self, spec.name, value)
+
+    def _check_sources_and_lanes(self) -> None:
+        sources = self.sources  # type: ignore[attr-defined]
+        if not sources:
+            raise ValueError("dataloader.sources: got an empty list, expected at least one source")
+        names = [source.name for source in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataloader.sources: duplicate names in {names}; expected unique names")
+        for index, source in enumerate(sources):
+            if not source.name:
+                raise ValueError(f"dataloader.sources[{index}].name: got '', expected a non-empty name")
+            if not (math.isfinite(source.weight) and source.weight > 0):
+                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a finite number > 0")
+        distributed = self.distributed  # type: ignore[attr-defined]
+        if distributed.canonical_replicas is not None and distributed.canonical_replicas <= 0:
+            raise ValueError(f"dataloader.distributed.canonical_replicas: got {distributed.canonical_replicas}, "
+                             "expected an int > 0 or null")
+        if distributed.run_id == "":
+            raise ValueError("dataloader.distributed.run_id: got '', expected a non-empty run id or null")
+
+    def resolve_path(self, value: str) -> Path:
+        """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""
+        if value.startswith(PACKAGE_DATA_PREFIX):
+            return package_data_dir() / value[len(PACKAGE_DATA_PREFIX) :]
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (Path(self.base_dir) / path).resolve()  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
-class TextLoaderConfig:
+class TextLoaderConfig(LoaderSchema):
     """Everything ``build_text_loader`` needs (the YAML ``dataloader`` section).
 
     Constructing it from plain YAML values coerces and checks every field
@@ -249,27 +301,8 @@ class TextLoaderConfig:
     base_dir: str = "."
 
     def __post_init__(self) -> None:
-        # Typed coercion of every field (a no-op for values already typed), so that
-        # TextLoaderConfig(**plain_yaml_values) is as strict as from_mapping.
-        hints = typing.get_type_hints(TextLoaderConfig)
-        for spec in dataclasses.fields(TextLoaderConfig):
-            value = _convert(getattr(self, spec.name), hints[spec.name], f"dataloader.{spec.name}")
-            object.__setattr__(self, spec.name, value)
-        if not self.sources:
-            raise ValueError("dataloader.sources: got an empty list, expected at least one source")
-        names = [source.name for source in self.sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"dataloader.sources: duplicate names in {names}; expected unique names")
-        for index, source in enumerate(self.sources):
-            if not source.name:
-                raise ValueError(f"dataloader.sources[{index}].name: got '', expected a non-empty name")
-            if not (math.isfinite(source.weight) and source.weight > 0):
-                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a finite number > 0")
-        replicas = self.distributed.canonical_replicas
-        if replicas is not None and replicas <= 0:
-            raise ValueError(f"dataloader.distributed.canonical_replicas: got {replicas}, expected an int > 0 or null")
-        if self.distributed.run_id == "":
-            raise ValueError("dataloader.distributed.run_id: got '', expected a non-empty run id or null")
+        self._coerce_fields(TextLoaderConfig)
+        self._check_sources_and_lanes()
         for name in ("sequence_length", "micro_batch_size", "block_mask_budget_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0")
@@ -318,13 +351,6 @@ class TextLoaderConfig:
         if self.tokenizer.pretokenized_field is not None:
             return "pretokenized"
         return "chat" if self.tokenizer.chat_field is not None else "text"
-
-    def resolve_path(self, value: str) -> Path:
-        """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""
-        if value.startswith(PACKAGE_DATA_PREFIX):
-            return package_data_dir() / value[len(PACKAGE_DATA_PREFIX) :]
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else (Path(self.base_dir) / path).resolve()
 
     def packing_contract(self) -> PackingContract:
         """The configured contract, or AutoModel's default (block-causal, no metadata)."""
@@ -551,7 +577,7 @@ def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:
             seen = f"top-level keys {sorted(data)}" if node is None else type(node).__name__
             raise ValueError(
                 f"{path}: {LOADER_SECTION}: got {seen}, expected a '{LOADER_SECTION}' mapping "
-                "(see configs/demo.yaml)"
+                f"(see {getattr(cls, 'EXAMPLE_CONFIG', 'configs/demo.yaml')})"
             )
         node = dict(node)
         node.setdefault("base_dir", str(path.parent))
@@ -567,11 +593,12 @@ def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:
         built = resolve_target(target)
         if not (isinstance(built, type) and issubclass(built, cls)):
             raise ValueError(
-                f"{where}._target_: got {target!r}, expected zephon_loader.ZephonDataloaderConfig "
+                f"{where}._target_: got {target!r}, expected {getattr(cls, 'YAML_TARGET', cls.__name__)} "
                 f"(or another {cls.__name__}); this reader builds a {cls.__name__}"
             )
     try:
-        return from_mapping(cls, node, LOADER_SECTION)
+        prepare = getattr(cls, "prepare_node", None)
+        return from_mapping(cls, prepare(node) if prepare is not None else node, LOADER_SECTION)
     except (TypeError, ValueError) as error:
         if where == LOADER_SECTION:
             raise

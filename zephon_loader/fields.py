@@ -98,6 +98,19 @@ THD_SENTINEL: Final = -1000
 #: Label value ignored by the loss (torch ``cross_entropy``'s default ``ignore_index``).
 IGNORE_INDEX: Final = -100
 
+# --- image-text batches (Hugging Face's Qwen2-VL layout; zephon_loader.image_collate) ---
+#: float32 ``[patches, patch_dim]``: every image's patch rows, in row order then position order.
+PIXEL_VALUES: Final = "pixel_values"
+#: int64 ``[images, 3]``: ``(t, h, w)`` patch grid of each image, same order as ``pixel_values``.
+IMAGE_GRID_THW: Final = "image_grid_thw"
+#: int64 ``[B, S]``: 1 at image placeholder tokens, 0 elsewhere (transformers 5's processors return it).
+MM_TOKEN_TYPE_IDS: Final = "mm_token_type_ids"
+#: int64 ``[B]``: images per row (AutoModel's pipeline-parallel media chunking reads it).
+N_IMAGES_PER_SAMPLE: Final = "n_images_per_sample"
+#: Yielded by every image-text batch; ``PIXEL_VALUES``/``IMAGE_GRID_THW`` only when the batch holds an image.
+IMAGE_ALWAYS: Final[tuple[str, ...]] = (MM_TOKEN_TYPE_IDS, N_IMAGES_PER_SAMPLE)
+IMAGE_MEDIA: Final[tuple[str, ...]] = (PIXEL_VALUES, IMAGE_GRID_THW)
+
 
 def yielded_fields(
     packed_mask_type: str, *, metadata: bool, thd: bool

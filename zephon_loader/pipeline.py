@@ -29,7 +29,7 @@ from zephon_loader.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
 from zephon_loader.work_source import WorkSource, build_work_source, lane_options
 
-__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "BuiltPipeline", "DataParallel", "build_pipeline"]
+__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "BuiltPipeline", "DataParallel", "build_pipeline", "runtime_options"]
 
 #: Bins kept open by ``first_fit``/``best_fit`` when the config does not say.
 DEFAULT_NUM_BINS = 8
@@ -136,7 +136,7 @@ def build_pipeline(
     pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks, Path(work_dir))
     pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks)
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
-    pipeline = pipeline.options(**_runtime_options(config, dp, work, run_id_suffix))
+    pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
     return BuiltPipeline(pipeline, work.shards, pad_token_id,
                          Path(tokenizer.name_or_path) if tokenizer is not None else None, drop_log)
 
@@ -261,8 +261,11 @@ def _pack_and_batch(pipeline: Any, config: TextLoaderConfig, pad_token_id: int) 
     return pipeline.pack_flat(config.sequence_length + 1, **pack).batch(config.micro_batch_size, drop_last=False)
 
 
-def _runtime_options(config: TextLoaderConfig, dp: DataParallel, work: WorkSource, run_id_suffix: str) -> dict[str, Any]:
-    """Zephon ``RuntimeOptions``: this rank's lanes, the flush cadence of the chunk size, the runner."""
+def runtime_options(config: Any, dp: DataParallel, work: WorkSource, run_id_suffix: str) -> dict[str, Any]:
+    """Zephon ``RuntimeOptions``: this rank's lanes, the flush cadence of the chunk size, the runner.
+
+    ``config`` is a text or image loader config (``distributed``, ``runtime``, ``resolve_path``).
+    """
     from zephon.options import DEFAULT_RUN_ID
 
     dist = config.distributed

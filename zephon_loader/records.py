@@ -220,6 +220,44 @@ class DropLog:
 #: (log path, reason) pairs already logged by this process: "logged once per reason".
 _LOGGED: set[tuple[str, str]] = set()
 
+#: What a check found wrong with a record: ``(reason, field, seen, expected, fix)``.
+Problem = tuple[str, str, Any, str, str]
+
+
+def refuse_or_log_drop(
+    shards: ShardTable, log: DropLog, meta: Any, problem: Problem, tokens: int | None, *, refuse: bool,
+    what: str = "records",
+) -> None:
+    """Raise :class:`BadRecordError` for a bad record, or append its drop event and warn once per reason.
+
+    Args:
+        shards: Names the record's source, shard file and line/row.
+        log: The drop log the loader's stats read.
+        meta: The record's Zephon ``SampleMeta`` (its cursor key identifies the event).
+        problem: ``(reason, field, seen, expected, fix)``.
+        tokens: The record's token count, if known.
+        refuse: Raise instead of logging (``on_bad_record: error``; ``oversized: error`` for images).
+        what: Names the records in the one warning per reason.
+    """
+    reason, field, seen, expected, fix = problem
+    where = shards.where(meta.sample_id)
+    if refuse:
+        hint = ("" if reason == LONGER_THAN_ROW else
+                " (or set on_bad_record: skip to leave such records out, counted in loader.stats())")
+        raise BadRecordError(f"{where}: field {field!r} got {seen}, expected {expected}. {fix}{hint}")
+    log.append({
+        "key": [int(meta.lane_id), int(meta.chunk_id), int(meta.chunk_offset), list(meta.lineage)],
+        "sample": [int(x) for x in meta.sample_id],
+        "source": shards.source_name(meta.sample_id),
+        "reason": reason,
+        "tokens": tokens,
+        "where": where,
+    })
+    if (log.path, reason) not in _LOGGED:
+        _LOGGED.add((log.path, reason))
+        logger.warning("zephon_loader: dropping %s (%s), first at %s: field %r got %s, expected %s",
+                       what, reason, where, field, seen, expected)
+
 
 # ----------------------------------------------------------------------------- the operators
 
@@ -240,7 +278,7 @@ class _RecordOp:
         self.policy = policy
         self.log = log
 
-    def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:  # pragma: no cover
+    def check(self, payload: Any) -> tuple[Any, Problem | None]:  # pragma: no cover
         raise NotImplementedError
 
     def sample_payload(self) -> dict[str, Any]:  # pragma: no cover
@@ -271,26 +309,8 @@ class _RecordOp:
                 elem.payload = payload
                 out.append(elem)
                 continue
-            reason, field, seen, expected, fix = problem
-            where = self.shards.where(meta.sample_id)
-            if reason != LONGER_THAN_ROW and self.policy == "error":
-                raise BadRecordError(
-                    f"{where}: field {field!r} got {seen}, expected {expected}. {fix} "
-                    "(or set on_bad_record: skip to leave such records out, counted in loader.stats())"
-                )
-            tokens = _token_count(payload)
-            self.log.append({
-                "key": [int(meta.lane_id), int(meta.chunk_id), int(meta.chunk_offset), list(meta.lineage)],
-                "sample": [int(x) for x in meta.sample_id],
-                "source": self.shards.source_name(meta.sample_id),
-                "reason": reason,
-                "tokens": tokens,
-                "where": where,
-            })
-            if (self.log.path, reason) not in _LOGGED:
-                _LOGGED.add((self.log.path, reason))
-                logger.warning("zephon_loader: dropping records (%s), first at %s: field %r got %s, expected %s",
-                               reason, where, field, seen, expected)
+            refuse = problem[0] != LONGER_THAN_ROW and self.policy == "error"
+            refuse_or_log_drop(self.shards, self.log, meta, problem, _token_count(payload), refuse=refuse)
             out.extend(tombstones_for_record(elem))
         return out
 
@@ -347,7 +367,7 @@ class CheckRawRecords(_RecordOp):
         self.max_record_bytes = max_record_bytes
         self.special_strings = tuple(s for s in special_strings if s)
 
-    def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:
+    def check(self, payload: Any) -> tuple[Any, Problem | None]:
         field = self.field
         problem = _field_problem(payload, field, f"Add {field!r} to every record or set the field name.")
         if problem is not None:
@@ -424,7 +444,7 @@ class CheckTokens(_RecordOp):
         self.eligibility_field = eligibility_field
         self.loss_mask_field = loss_mask_field
 
-    def check(self, payload: Any) -> tuple[Any, tuple[str, str, Any, str, str] | None]:
+    def check(self, payload: Any) -> tuple[Any, Problem | None]:
         field = self.tokens_field
         problem = _field_problem(payload, field, "Set pretokenized_field to the column of token ids.")
         if problem is not None:

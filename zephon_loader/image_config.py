@@ -1,0 +1,281 @@
+"""YAML schema of the image-text loader (the ``dataloader`` section of an image YAML).
+
+Closed and typed like :class:`~zephon_loader.config.TextLoaderConfig` (same
+reader, same messages: ``dataloader.packing.oversized: got 'keep', expected
+one of 'drop', 'error'``); the shared sections (``sources``, ``contract``,
+``distributed``) are the text loader's own classes.
+
+The processor is either the built-in one (:class:`ProcessorConfig`, closed) or
+any factory named by ``_target_`` (:class:`ProcessorTarget`: its other keys are
+the factory's keyword arguments, as AutoModel's ``ConfigNode`` passes them)::
+
+    processor: {path: image_processor, image_token_alignment: 8}
+    processor: {_target_: my_pkg.make_processor, size: 448}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from zephon_loader.attention import DEFAULT_BLOCK_MASK_BUDGET_BYTES
+from zephon_loader.config import (
+    LOADER_SECTION,
+    ContractConfig,
+    DistributedConfig,
+    LoaderSchema,
+    SourceConfig,
+    from_mapping,
+    package_data_dir,
+)
+from zephon_loader.packing import PackingContract
+
+__all__ = [
+    "DEFAULT_PROCESSOR_PARALLELISM",
+    "ImageLoaderConfig",
+    "ImagePackingOptions",
+    "ImageRuntimeConfig",
+    "ProcessorConfig",
+    "ProcessorTarget",
+    "RecordsConfig",
+    "default_image_config_path",
+]
+
+#: Processor calls Zephon keeps in flight when ``runtime.processor_parallelism`` is unset.
+DEFAULT_PROCESSOR_PARALLELISM = 4
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """The built-in Qwen2-VL-style processor (:class:`~zephon_loader.processors.Qwen2VLRecordProcessor`).
+
+    Attributes:
+        path: Local processor folder: a tokenizer with ``<|vision_start|>``,
+            ``<|vision_end|>``, ``<|image_pad|>`` and a Qwen2-VL
+            ``preprocessor_config.json`` (never a hub id). ``None``: the
+            recipe's model folder (``pretrained_model_name_or_path``), when local.
+        image_token_alignment: ``k``: pad every image span with ineligible filler
+            tokens to a multiple of ``k``; ``None``: no fillers, every token eligible.
+        append_eos: End every record with EOS.
+        min_pixels, max_pixels: Override the image processor's resize bounds.
+        backend: ``pil`` (default) or ``torchvision`` image processing.
+    """
+
+    path: str | None = None
+    image_token_alignment: int | None = None
+    append_eos: bool = True
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    backend: Literal["pil", "torchvision"] = "pil"
+
+
+@dataclass(frozen=True)
+class ProcessorTarget:
+    """A user processor factory named by ``_target_`` (dotted import path), called with ``kwargs``.
+
+    The factory returns an object with the
+    :class:`~zephon_loader.processors.RecordProcessor` interface.
+    """
+
+    target: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any], where: str) -> "ProcessorTarget":
+        target = node.get("_target_")
+        if not isinstance(target, str) or not target:
+            raise TypeError(f"{where}._target_: got {target!r}, expected a dotted import path string")
+        return cls(target, tuple((str(k), v) for k, v in node.items() if k != "_target_"))
+
+    def node(self) -> dict[str, Any]:
+        """The YAML node again (``{"_target_": ..., **kwargs}``), for ``config.instantiate``."""
+        return {"_target_": self.target, **dict(self.kwargs)}
+
+
+@dataclass(frozen=True)
+class RecordsConfig:
+    """The record format (see :mod:`zephon_loader.image_records`).
+
+    Attributes:
+        text_field: Text column, with one ``image_marker`` per image.
+        images_field: Images column: paths relative to the shard (JSONL) or encoded bytes (Parquet).
+        image_marker: The string standing for one image in the text.
+    """
+
+    text_field: str = "text"
+    images_field: str = "images"
+    image_marker: str = "<image>"
+
+
+@dataclass(frozen=True)
+class ImagePackingOptions:
+    """Zephon ``pack_sequences`` options: records are kept whole (an image is never split across rows).
+
+    Attributes:
+        algorithm: ``first_fit`` or ``best_fit``.
+        num_bins: Open bins (``None``: the text loader's default, 8).
+        oversized: A record longer than a row: ``drop`` (counted as
+            ``longer_than_row`` in ``loader.stats()`` and logged with its
+            location) or ``error`` (stop, naming the record).
+    """
+
+    algorithm: Literal["first_fit", "best_fit"] = "first_fit"
+    num_bins: int | None = None
+    oversized: Literal["drop", "error"] = "drop"
+
+    @property
+    def packing_format(self) -> str:
+        """``"neat"``: what AutoModel 0.7.0's VLM recipe reads to ask the model for its packing contract."""
+        return "neat"
+
+
+@dataclass(frozen=True)
+class ImageRuntimeConfig:
+    """Zephon runtime options of the image pipeline.
+
+    Attributes:
+        runner: ``auto``/``threads``, ``inline`` or ``process`` (``process`` is
+            refused with a model's ``get_rope_index``: it would pickle the model).
+        max_workers: Zephon worker count (``None``: Zephon's default).
+        prefetch_batches: Zephon's consumer-side prefetch.
+        processor_parallelism: Processor calls in flight (decode + process);
+            ``None``: :data:`DEFAULT_PROCESSOR_PARALLELISM`.
+    """
+
+    runner: Literal["auto", "threads", "inline", "process"] = "auto"
+    max_workers: int | None = None
+    prefetch_batches: int | None = None
+    processor_parallelism: int | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The set Zephon ``RuntimeOptions`` fields, as keyword arguments."""
+        return {name: value for name, value in (("runner", self.runner), ("max_workers", self.max_workers),
+                                                ("prefetch_batches", self.prefetch_batches))
+                if value not in (None, "auto")}
+
+
+@dataclass(frozen=True)
+class ImageLoaderConfig(LoaderSchema):
+    """Everything ``build_image_loader`` needs (the YAML ``dataloader`` section).
+
+    Attributes:
+        sources: Weighted shard folders (JSONL with image paths, or Parquet with image bytes).
+        sequence_length: Row length ``S``: every token of a packed record is an input token.
+        micro_batch_size: Rows per batch ``B`` (``None`` only through
+            :class:`~zephon_loader.image_recipe.ZephonVLMDataloaderConfig`, which takes the recipe's batch size).
+        processor: :class:`ProcessorConfig` or :class:`ProcessorTarget`; ``None``:
+            the processor passed to the builder (or the built-in one on the recipe's model folder).
+        records: See :class:`RecordsConfig`.
+        packing: See :class:`ImagePackingOptions`.
+        contract: The model's contract; ``None`` = AutoModel's default (block-causal).
+        xdoc: Cross-document attention inside each row (positions continue on all three axes).
+        return_packed_sequence_metadata: Also yield the gathered-token bundle.
+        mask_cross_document_labels: Mask the label at each record's last token; ``None``: on unless xdoc.
+        seed, shuffle, chunk_size: Zephon mixture settings (as the text loader).
+        read_ahead: Batches collated and finalized ahead in a background thread. Default 0 (inline):
+            decoding and processing already run ahead in Zephon's workers, and a state saved with
+            read-ahead carries the pixel values of the batches read ahead (tens of MB each).
+        block_mask_budget_bytes: Largest block-causal ``[B, 1, S, S]`` mask allowed.
+        on_bad_record: ``error`` (stop naming source, shard file, line/row) or ``skip`` (count by reason).
+        max_record_tokens: Processed records with more tokens are bad records.
+        distributed: See :class:`~zephon_loader.config.DistributedConfig`.
+        runtime: See :class:`ImageRuntimeConfig`.
+        base_dir: Folder relative paths resolve against (set by the YAML reader).
+    """
+
+    sources: tuple[SourceConfig, ...]
+    sequence_length: int
+    micro_batch_size: int | None = None
+    processor: ProcessorConfig | ProcessorTarget | None = None
+    records: RecordsConfig = field(default_factory=RecordsConfig)
+    packing: ImagePackingOptions = field(default_factory=ImagePackingOptions)
+    contract: ContractConfig | None = None
+    xdoc: bool = False
+    return_packed_sequence_metadata: bool = False
+    mask_cross_document_labels: bool | None = None
+    seed: int = 0
+    shuffle: bool = True
+    chunk_size: int | None = None
+    read_ahead: int = 0
+    block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES
+    on_bad_record: Literal["error", "skip"] = "error"
+    max_record_tokens: int | None = None
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    runtime: ImageRuntimeConfig = field(default_factory=ImageRuntimeConfig)
+    base_dir: str = "."
+
+    EXAMPLE_CONFIG = "configs/image_demo.yaml"
+    YAML_TARGET = "zephon_loader.ZephonVLMDataloaderConfig"
+
+    @classmethod
+    def prepare_node(cls, node: dict[str, Any]) -> dict[str, Any]:
+        """The ``processor`` node has its own reader (built-in keys or a ``_target_``)."""
+        if "processor" in node:
+            node = {**node, "processor": processor_from_node(node["processor"], f"{LOADER_SECTION}.processor")}
+        return node
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "processor", processor_from_node(self.processor, f"{LOADER_SECTION}.processor"))
+        self._coerce_fields(ImageLoaderConfig)
+        self._check_sources_and_lanes()
+        positive = {
+            "sequence_length": self.sequence_length, "micro_batch_size": self.micro_batch_size,
+            "block_mask_budget_bytes": self.block_mask_budget_bytes, "chunk_size": self.chunk_size,
+            "max_record_tokens": self.max_record_tokens, "packing.num_bins": self.packing.num_bins,
+            "runtime.max_workers": self.runtime.max_workers, "runtime.prefetch_batches": self.runtime.prefetch_batches,
+            "runtime.processor_parallelism": self.runtime.processor_parallelism,
+        }
+        if isinstance(self.processor, ProcessorConfig):
+            positive.update({f"processor.{name}": getattr(self.processor, name)
+                             for name in ("image_token_alignment", "min_pixels", "max_pixels")})
+        for name, value in positive.items():
+            if value is not None and value <= 0:
+                raise ValueError(f"dataloader.{name}: got {value}, expected an int > 0"
+                                 + ("" if name in ("sequence_length", "block_mask_budget_bytes") else " or null"))
+        if self.seed < 0:
+            raise ValueError(f"dataloader.seed: got {self.seed}, expected an int >= 0")
+        if self.read_ahead < 0:
+            raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
+        records = self.records
+        for name in ("text_field", "images_field", "image_marker"):
+            if not getattr(records, name):
+                raise ValueError(f"dataloader.records.{name}: got '', expected a non-empty string")
+        if records.text_field == records.images_field:
+            raise ValueError(f"dataloader.records.images_field: got {records.images_field!r}, the same as "
+                             "text_field; expected two different fields")
+
+
+    def packing_contract(self) -> PackingContract:
+        """The configured contract, or AutoModel's default (block-causal, no metadata)."""
+        return (self.contract or ContractConfig()).build()
+
+    @property
+    def labels_mask_cross_document(self) -> bool:
+        """``mask_cross_document_labels`` resolved: on unless xdoc, when unset."""
+        return self.mask_cross_document_labels if self.mask_cross_document_labels is not None else not self.xdoc
+
+
+def processor_from_node(value: Any, where: str) -> Any:
+    """A ``processor`` YAML node as :class:`ProcessorTarget` (it has ``_target_``) or :class:`ProcessorConfig`.
+
+    Instances and ``None`` pass through; anything else is left for the typed
+    reader to refuse.
+
+    Raises:
+        ValueError / TypeError: An unknown key or a wrong type in a built-in processor node.
+    """
+    if not isinstance(value, Mapping):
+        return value
+    if "_target_" in value:
+        return ProcessorTarget.from_node(value, where)
+    try:
+        return from_mapping(ProcessorConfig, value, where)
+    except ValueError as error:
+        raise ValueError(f"{error} (or name a processor factory with _target_)") from None
+
+
+def default_image_config_path() -> Path:
+    """The bundled image demo YAML (``zephon_loader/data/image_demo.yaml``)."""
+    return package_data_dir() / "image_demo.yaml"
