@@ -115,6 +115,9 @@ def main() -> None:
     parser.add_argument("config", nargs="?", type=Path, default=None)
     parser.add_argument("--scale", type=int, default=8, help="without CONFIG: demo records x this")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runner", choices=("config", "threads", "inline", "process"), default="config",
+                        help="the loader's runtime.runner (default: the config's)")
+    parser.add_argument("--read-ahead", type=int, default=None, help="the loader's read_ahead (default: the config's)")
     args = parser.parse_args()
     scratch = tempfile.TemporaryDirectory(prefix="bench_image_loader_")
     if args.config is None:
@@ -122,6 +125,10 @@ def main() -> None:
         args.config = Path(f"{default_image_config_path()} x{args.scale}")
     else:
         config = read_loader_config(args.config, ImageLoaderConfig)
+    if args.runner != "config":
+        config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, runner=args.runner))
+    if args.read_ahead is not None:
+        config = dataclasses.replace(config, read_ahead=args.read_ahead)
     records = len(read_records(config))
     workers = config.runtime.processor_parallelism or DEFAULT_PROCESSOR_PARALLELISM
     alone, loader = [], []
@@ -134,7 +141,8 @@ def main() -> None:
         print(f"note: the loader delivered {b[1]} images / {b[2]} tokens, the records hold {a[1]} / {a[2]} "
               "(mixture repeats or drops; rates are compared per image and per token)")
     rows = [("processor alone", a), ("loader", b)]
-    print(f"{args.config}: {records} records, {workers} processor threads, {args.rounds} rounds (median)")
+    print(f"{args.config}: {records} records, {workers} processor threads, runner {config.runtime.runner}, "
+          f"read_ahead {config.read_ahead}, {args.rounds} rounds (median)")
     for name, (seconds, images, tokens) in rows:
         print(f"  {name:16s} {images / seconds:10,.0f} images/s {tokens / seconds:12,.0f} tokens/s  ({seconds:.3f} s)")
     ratio = (b[1] / b[0]) / (a[1] / a[0])
