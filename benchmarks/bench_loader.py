@@ -12,6 +12,12 @@ per side (median over rounds) and the ratio loader / direct. Goal: >= 0.95.
 return_labels=True, return_padding_mask=True)``: the least a training loop
 on Zephon must do. "loader" adds document ids, the final
 map for the configured contract, read-ahead and the torchdata graph.
+
+``--runner`` overrides the config's Zephon runner on both sides (threads
+workers compete with the consumer for Python's GIL on few cores; ``inline``
+runs Zephon in the consumer's thread). ``--step-ms`` adds a simulated training
+step per batch on both sides (a sleep: like GPU work, it releases the GIL), the
+time read-ahead exists to overlap.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,8 +39,15 @@ from zephon_loader.config import default_config_path
 from zephon_loader.pipeline import build_pipeline
 
 
-def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
+def _config(config_path: Path, runner: str | None) -> Any:
     cfg = read_loader_config(config_path)
+    if runner is not None:
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, runner=runner))
+    return cfg
+
+
+def direct_tokens_per_s(config_path: Path, passes: int, runner: str | None = None, step_s: float = 0.0) -> tuple[float, int]:
+    cfg = _config(config_path, runner)
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as work_dir:
         pipeline = build_pipeline(cfg, work_dir=work_dir).pipeline
         tokens = batches = 0
@@ -45,14 +59,17 @@ def direct_tokens_per_s(config_path: Path, passes: int) -> tuple[float, int]:
                     out = batch.to_training(return_labels=True, return_padding_mask=True)
                     tokens += int((~out["padding_mask"]).sum())
                     batches += 1
+                    if step_s:
+                        time.sleep(step_s)
             finally:
                 iterator.close()
         return tokens / (time.perf_counter() - start), batches
 
 
-def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None = None) -> tuple[float, int]:
+def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None = None, runner: str | None = None,
+                        step_s: float = 0.0) -> tuple[float, int]:
     tokens = batches = 0
-    config = read_loader_config(config_path)
+    config = _config(config_path, runner)
     if read_ahead is not None:
         config = dataclasses.replace(config, read_ahead=read_ahead)
     with build_text_loader(config) as loader:
@@ -63,6 +80,8 @@ def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None =
             for batch in loader:
                 tokens += int((~batch[F.PADDING_MASK]).sum())
                 batches += 1
+                if step_s:
+                    time.sleep(step_s)
     return tokens / (time.perf_counter() - start), batches
 
 
@@ -71,13 +90,19 @@ def main() -> None:
     parser.add_argument("config", nargs="?", type=Path, default=default_config_path())
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--passes", type=int, default=4, help="full passes over the stream per measurement")
+    parser.add_argument("--runner", choices=("threads", "inline", "process"), default=None,
+                        help="Zephon runner on both sides (default: the config's)")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (a sleep)")
     args = parser.parse_args()
-    print(f"config {args.config}  torch {torch.__version__}  threads {torch.get_num_threads()}")
-    read_ahead = read_loader_config(args.config).read_ahead
+    runner, step = args.runner, args.step_ms / 1000
+    cfg = _config(args.config, runner)
+    print(f"config {args.config}  runner {cfg.runtime.runner}  step {args.step_ms} ms  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}")
+    read_ahead = cfg.read_ahead
     sides = {
-        "direct": lambda: direct_tokens_per_s(args.config, args.passes),
-        f"loader (read_ahead={read_ahead})": lambda: loader_tokens_per_s(args.config, args.passes),
-        "loader (read_ahead=0)": lambda: loader_tokens_per_s(args.config, args.passes, read_ahead=0),
+        "direct": lambda: direct_tokens_per_s(args.config, args.passes, runner, step),
+        f"loader (read_ahead={read_ahead})": lambda: loader_tokens_per_s(args.config, args.passes, None, runner, step),
+        "loader (read_ahead=0)": lambda: loader_tokens_per_s(args.config, args.passes, 0, runner, step),
     }
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for round_index in range(args.rounds):
