@@ -15,6 +15,12 @@
 #    ($VENV/fa4-compile-cache, kept for the next run);
 # 4. prints one summary line last: "gpu_check: PASSED ..." or "gpu_check: FAILED ...".
 #
+# ZEPHON_GPU_SYSTEM_TORCH=1 uses the CUDA torch already installed for $PYTHON instead (an NGC
+# container, a cluster image): the environment is made with --system-site-packages, torch is not
+# installed, every later install is pinned to that torch's version, and packages the image already
+# has at the pinned versions (TE, FA4) are kept. Offline, point pip at a wheel folder
+# (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR) holding what the image lacks.
+#
 # Needs: an NVIDIA GPU with a driver for CUDA 13.0 (>= 580; PyPI's torch 2.13.0 Linux build is
 # CUDA 13.0), a C++ compiler, and the package index (pip's own settings apply: PIP_INDEX_URL,
 # PIP_FIND_LINKS, PIP_NO_INDEX for a local wheel folder). Budget on one H100/H200: under 10 minutes
@@ -50,14 +56,21 @@ GPU=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/nu
 say "GPU: $GPU"
 
 install_stamp() {
-  { cat scripts/gpu_check.sh pyproject.toml scripts/constraints.txt; "$VPY" -VV; } \
+  { cat scripts/gpu_check.sh pyproject.toml scripts/constraints.txt; "$VPY" -VV; echo "${ZEPHON_GPU_SYSTEM_TORCH:-}"; } \
     | "$VPY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'
 }
 
 install() {
-  local pip=("$VPY" -m pip install -c scripts/constraints.txt)
+  local constraints=scripts/constraints.txt
+  if [[ -n "${ZEPHON_GPU_SYSTEM_TORCH:-}" ]]; then
+    # 1. The image's CUDA torch, kept: pin it so that nothing replaces it.
+    constraints="$VENV/system-torch-constraints.txt"
+    "$VPY" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' >"$constraints" || return 1
+    echo "using the image's $(cat "$constraints")"
+  fi
+  local pip=("$VPY" -m pip install -c "$constraints")
   # 1. The CUDA torch first, pinned (the constraints keep every later install on it).
-  "${pip[@]}" "torch==2.13.0" || return 1
+  [[ -n "${ZEPHON_GPU_SYSTEM_TORCH:-}" ]] || "${pip[@]}" "torch==2.13.0" || return 1
   "$VPY" - <<'EOF' || return 1
 import sys, torch
 if torch.version.cuda is None or not torch.cuda.is_available():
@@ -74,8 +87,14 @@ EOF
 if [[ ! -x "$VPY" ]]; then
   command -v "$PYTHON" >/dev/null 2>&1 || fail "before installing" "no interpreter '$PYTHON' (set PYTHON=...)"
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || fail "before installing" "$PYTHON is older than 3.11"
-  say "creating $VENV/"
-  "$PYTHON" -m venv "$VENV" || fail "creating $VENV" "'$PYTHON -m venv' failed (Debian: apt-get install python3-venv)"
+  VENV_ARGS=()
+  if [[ -n "${ZEPHON_GPU_SYSTEM_TORCH:-}" ]]; then
+    "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null \
+      || fail "before installing" "ZEPHON_GPU_SYSTEM_TORCH=1 but $PYTHON has no CUDA torch that sees the GPU"
+    VENV_ARGS=(--system-site-packages)
+  fi
+  say "creating $VENV/${VENV_ARGS:+ (with the system site-packages)}"
+  "$PYTHON" -m venv "${VENV_ARGS[@]}" "$VENV" || fail "creating $VENV" "'$PYTHON -m venv' failed (Debian: apt-get install python3-venv)"
 fi
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(install_stamp)" ]]; then
   say "reusing $VENV/ (installed from the same pyproject.toml, constraints and script)"
