@@ -178,6 +178,24 @@ def test_empty_pretokenized_record_is_counted_under_skip(tmp_path):
     assert report["dropped"] == {"empty": {"documents": 1, "tokens": 0, "first": f"source 'tok', shard {folder / 'part-00000.jsonl'}, line 2"}}
 
 
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_limits_smaller_than_zephons_validation_samples_refuse_no_valid_record(tmp_path, tokenizer_dir, policy):
+    """Zephon runs each operator on its validation samples at the first iter(): a limit that refuses
+    those (3 tokens, 16 bytes) must neither stop a stream of valid records nor count a phantom drop."""
+    folder = write_jsonl_shards(tmp_path / "tok", [{"ids": [3, 4]}, {"ids": [5]}, {"ids": [6, 7]}], shards=1)
+    config = pretokenized_config(folder, max_record_tokens=2, on_bad_record=policy, micro_batch_size=1,
+                                 sequence_length=5)
+    with build_text_loader(config) as loader:
+        rows = [batch["input_ids"][0].tolist() for batch in loader]
+        report = loader.stats()
+    assert rows == [[3, 4, 5, 6, 7]]
+    assert report["dropped"] == {}
+    text_folder = write_jsonl_shards(tmp_path / "web", [{"text": "tiny"}, {"text": "ok"}], shards=1)
+    with build_text_loader(text_config(text_folder, tokenizer_dir, max_record_bytes=8, on_bad_record=policy)) as loader:
+        collect(loader)
+        assert loader.stats()["dropped"] == {}
+
+
 def test_record_limits(tmp_path, tokenizer_dir):
     lines = good_lines()
     lines.insert(1, json.dumps({"text": "x" * 300}))

@@ -42,6 +42,7 @@ from zephon_loader.records import (
     BAD_RECORD_POLICIES,
     LONGER_THAN_ROW,
     DropLog,
+    VALIDATION_KEY,
     Problem,
     ShardTable,
     refuse_or_log_drop,
@@ -79,9 +80,6 @@ PAYLOAD_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
-#: Marks the records :meth:`ProcessImageRecords.validation_samples` makes for Zephon's operator validator
-#: (run at the first ``iter()``): one the configuration refuses is left out without being counted as a drop.
-VALIDATION_KEY = "_zephon_loader_validation_sample"
 
 
 class RecordFormat:
