@@ -159,6 +159,7 @@ def test_bad_record_error_reaches_the_loop_and_close_leaves_no_worker(
     tmp_path: Path, corpus_texts: list[str], tokenizer_dir: Path
 ) -> None:
     from zephon_loader import build_text_loader
+    from zephon_loader.records import BadRecordError
 
     records: list[dict[str, Any]] = [{"text": t} for t in corpus_texts[:60]]
     records[30] = {"text": 42}
@@ -166,7 +167,8 @@ def test_bad_record_error_reaches_the_loop_and_close_leaves_no_worker(
     loader = build_text_loader(loader_config(data, tokenizer_dir))
     contained = loader.pipeline._options.mp_context
     try:
-        with pytest.raises(Exception, match=r"part-00000\.jsonl"):
+        # The same exception type as under the thread runner (not Zephon's WorkerCrashed wrapper).
+        with pytest.raises(BadRecordError, match=r"^source 'web', shard .*part-00000\.jsonl, line 31: field 'text'"):
             for _ in loader:
                 pass
         started = time.monotonic()

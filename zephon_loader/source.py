@@ -205,6 +205,15 @@ class ZephonSource(BaseNode):
             if self._shards is None:
                 raise
             raise self._shards.unparsable(error) from error
+        except RuntimeError as error:
+            # Zephon's process runner re-raises a worker's exception as WorkerCrashed (a RuntimeError
+            # with ``info.exc_type`` / ``info.message``): a bad record is a BadRecordError under every runner.
+            info = getattr(error, "info", None)
+            if type(error).__name__ == "WorkerCrashed" and getattr(info, "exc_type", None) == "BadRecordError":
+                from zephon_loader.records import BadRecordError
+
+                raise BadRecordError(str(info.message)) from error
+            raise
 
     def get_state(self) -> dict[str, Any]:
         state = {self.STATE_KEY: self._pipeline.checkpoint()}
