@@ -110,6 +110,7 @@ def test_skip_leaves_bad_records_out_and_counts_them_by_reason(tmp_path):
     assert {reason: entry["documents"] for reason, entry in dropped.items()} == {"image_missing": 1, "marker_mismatch": 1}
     assert dropped["image_missing"]["first"] == f"source 'src', shard {shard}, line 2"
     assert dropped["marker_mismatch"]["first"] == f"source 'src', shard {shard}, line 7"
+    assert "image marker" in stats["reasons"]["marker_mismatch"] and "Pillow" in stats["reasons"]["image_unreadable"]
     delivered = sum(int(b["n_images_per_sample"].sum()) for b in batches)
     assert delivered == 8
 
@@ -118,7 +119,7 @@ def test_oversized_records_drop_counted_or_error(tmp_path, caplog):
     rng = random.Random(2)
     records = good_records(6) + [(f"big {MARKER}", [draw_image(rng, low=200, high=220)])]  # 25 image tokens: 37 in all
     folder = write_jsonl_images(tmp_path / "src", records, shards=1)
-    with caplog.at_level("WARNING", logger="zephon_loader.image_records"):
+    with caplog.at_level("WARNING", logger="zephon_loader.records"):
         batches, stats = run(folder, sequence_length=32, shuffle=False)
     entry = stats["dropped"]["longer_than_row"]
     assert entry["documents"] == 1 and entry["tokens"] > 32

@@ -32,9 +32,11 @@ from zephon_loader.image_config import (
     ProcessorConfig,
     ProcessorTarget,
 )
+from zephon_loader.image_records import IMAGE_REASONS
 from zephon_loader.image_source import build_image_pipeline
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import validate_packing_contract
+from zephon_loader.records import LONGER_THAN_ROW
 from zephon_loader.source import ZephonSource
 from zephon_loader.stats import CountingCollate, LoaderStats
 
@@ -182,7 +184,8 @@ def build_image_loader(
         fingerprint=fingerprint,
         pin_memory=pin_memory,
         on_close=partial(shutil.rmtree, work_dir, ignore_errors=True),
-        stats=LoaderStats([source.name for source in cfg.sources], built.drop_log),
+        stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons={
+            **IMAGE_REASONS, LONGER_THAN_ROW: "longer than a row: image-text records are never split (packing.oversized)"}),
         processor=processor,
     )
 

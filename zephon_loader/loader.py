@@ -323,6 +323,7 @@ class ZephonLoader(StatefulDataLoader):
             except StopIteration as error:
                 raise RuntimeError("preview: the Zephon pipeline yielded no batch") from error
             batch = dict(self._collate_fn(raw))
+            batch.pop(F.SOURCE_COUNTS, None)  # accounting of delivered batches, not part of a preview
             adapt_model_inputs(batch, batch.get(F.ATTENTION_ELIGIBILITY))
             if self.settings.xdoc:
                 join_subdocuments(batch)
@@ -459,7 +460,7 @@ class ZephonLoader(StatefulDataLoader):
         if not isinstance(stats, Mapping):
             raise ValueError(f"state_dict.stats: got {type(stats).__name__}, expected the accounting dict "
                              "returned by ZephonLoader.state_dict()")
-        LoaderStats(self._stats.source_names, self._stats.drop_log).load_state_dict(stats)  # raises if malformed
+        LoaderStats(self._stats.source_names, self._stats.drop_log, self._stats.reasons).load_state_dict(stats)  # raises if malformed
         return copy.deepcopy(dict(stats))
 
     # -- shutdown -----------------------------------------------------------------------

@@ -69,9 +69,13 @@ class LoaderStats:
 
     STATE_KEYS = ("delivered", "drops")
 
-    def __init__(self, source_names: Sequence[str], drop_log: DropLog) -> None:
+    def __init__(self, source_names: Sequence[str], drop_log: DropLog,
+                 reasons: Mapping[str, str] | None = None) -> None:
         self.source_names = list(source_names)
         self.drop_log = drop_log
+        #: reason -> meaning, reported with the drops (default: the text checks' reasons).
+        self.reasons = dict(reasons) if reasons is not None else {
+            **REASONS, LONGER_THAN_ROW: "longer than a row: first_fit/best_fit cannot split it"}
         self._delivered: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
         self._batches = 0
         #: Drop events by cursor key (merged from the log and from a loaded state).
@@ -157,7 +161,7 @@ class LoaderStats:
             "batches": self._batches,
             "sources": sources,
             "dropped": dropped,
-            "reasons": {**REASONS, LONGER_THAN_ROW: "longer than a row: first_fit/best_fit cannot split it"},
+            "reasons": dict(self.reasons),
         }
 
 
