@@ -514,8 +514,9 @@ def test_validation_copy_with_packing_none_is_a_validation_loader(sources, token
     with loaders[0] as first, loaders[1] as second:
         assert_same_batches(collect(first), collect(second))
         assert first.stats()["dropped"] == {}
-    with pytest.raises(ValueError, match=r"dataloader\.sources: got 2 sources"):
-        dataclasses.replace(instantiate(sources), packing=None)
+    several = dataclasses.replace(instantiate(sources), packing=None)  # each source read once (mixture: once)
+    with several.build(dp_rank=0, dp_world_size=1, tokenizer=tokenizer) as loader:
+        assert loader.fingerprint["mixture"] == "once"
 
 
 def test_model_contract_without_qkv_format_takes_the_yaml_thd(sources, tokenizer):

@@ -171,13 +171,35 @@ def test_text_documents_longer_than_a_row_are_delivered(tmp_path, tokenizer_dir)
     assert stats["sources"]["val"]["delivered"]["documents"] == len(texts)
 
 
-def test_yaml_packing_null_is_a_validation_loader_and_refuses_several_sources(corpus, tmp_path):
+def test_yaml_packing_null_is_a_validation_loader(corpus):
     path, _ = corpus
     config = training_config(path, packing=None)
     assert config.is_validation and not training_config(path).is_validation
-    other = write_jsonl_shards(tmp_path / "other", [{"ids": [1, 2, 3]}] * 4, shards=1)
-    two = [{"name": "val", "path": path}, {"name": "other", "path": str(other)}]
-    with pytest.raises(ValueError, match=r"dataloader\.sources: got 2 sources .* validation_dataloader_<name>"):
-        training_config(path, sources=two, packing=None)
-    with pytest.raises(ValueError, match=r"dataloader\.sources"):
-        dataclasses.replace(training_config(path, sources=two), packing=None)
+
+
+def test_several_sources_are_each_read_exactly_once(corpus, tmp_path):
+    """A validation mixture does not repeat its smaller source (``mixture: once``), whatever the weights.
+
+    Before, several sources were refused: the training mixture repeats the
+    smaller source until the larger one is read, which would have counted its
+    documents several times in the validation loss.
+    """
+    path, documents = corpus
+    first = max(t for document in documents for t in document) + 1
+    small = [list(range(first + 10 * i, first + 10 * i + 7)) for i in range(5)]  # 5 documents, unique ids
+    other = write_jsonl_shards(tmp_path / "other", [{"ids": d} for d in small], shards=1)
+    two = [{"name": "val", "path": path, "weight": 1.0}, {"name": "other", "path": str(other), "weight": 3.0}]
+    for config in (training_config(path, sources=two, packing=None, mask_cross_document_labels=False),
+                   dataclasses.replace(training_config(path, sources=two, mask_cross_document_labels=False),
+                                       packing=None)):
+        with validation_loader(config) as loader:
+            tokens = [t for row in row_tokens(collect(loader, 10_000)) for t in row]
+            stats = loader.stats()
+        assert Counter(tokens) == Counter(t for document in documents + small for t in document)
+        assert stats["sources"]["other"]["delivered"]["documents"] == 5
+        assert stats["sources"]["val"]["delivered"]["documents"] == len(documents)
+    with training_config(path, sources=two, packing={"algorithm": "wrap"}).build(
+            dp_rank=0, dp_world_size=1, tokenizer=None, packing_contract=None) as training:
+        training.set_epoch(0)
+        collect(training, 10_000)
+        assert training.stats()["sources"]["other"]["delivered"]["documents"] > 5  # training repeats it

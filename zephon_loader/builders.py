@@ -175,6 +175,8 @@ def build_text_loader(
         "eligibility_field": cfg.eligibility_field,
         "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
     }
+    if cfg.mixture != "repeat":  # named only when not the default: states saved before the key existed still load
+        fingerprint["mixture"] = cfg.mixture
     return ZephonLoader(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(collate_fn),

@@ -260,6 +260,12 @@ class TextLoaderConfig(LoaderSchema):
             EOS); needed for pretokenized input without a tokenizer.
         seed: Zephon mixture/shuffle seed.
         shuffle: Shuffle records within Zephon's work chunks.
+        mixture: What a pass reads. ``repeat`` (default): every record of every
+            source at least once, the weights held all the pass (smaller or
+            lighter sources repeat until the slowest is read once). ``once``:
+            every record of every source exactly once; the weights hold until a
+            source runs out, then the others share its share (evaluation, or one
+            exact epoch).
         chunk_size: Zephon work-chunk size in records; ``None`` picks one that fits the smallest source.
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
@@ -290,6 +296,7 @@ class TextLoaderConfig(LoaderSchema):
     pad_token_id: int | None = None
     seed: int = 0
     shuffle: bool = True
+    mixture: Literal["repeat", "once"] = "repeat"
     chunk_size: int | None = None
     read_ahead: int = 2
     block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES

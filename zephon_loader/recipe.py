@@ -55,9 +55,8 @@ class ZephonDataloaderConfig(TextLoaderConfig):
       same batches on every pass;
     * every token of every document exactly once: ``wrap`` packing splits
       documents longer than a row across consecutive rows instead of skipping
-      them, and a single source is read exactly once (a mixture repeats its
-      smaller sources, so several sources are refused: give each validation
-      set its own loader). A row holds ``S + 1`` tokens: its ``input_ids``
+      them, and ``mixture: once`` reads every record of every source exactly
+      once (the weights only interleave the sources; none repeats). A row holds ``S + 1`` tokens: its ``input_ids``
       and the target of its last label. Rows do not overlap, so the loss
       covers every token but each document's first and the first of each row
       that continues a split document (only an input there, with no context
@@ -77,7 +76,7 @@ class ZephonDataloaderConfig(TextLoaderConfig):
             worker starts).
 
     Raises:
-        ValueError: ``packing=None`` with more than one source.
+        ValueError: Unknown or missing keys, or values the schema refuses.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -93,13 +92,6 @@ class ZephonDataloaderConfig(TextLoaderConfig):
             kwargs = {name: value for name, value in kwargs.items() if name != "packing"}
         object.__setattr__(self, "_validation", validation)
         super().__init__(**kwargs)
-        if validation and len(self.sources) > 1:
-            raise ValueError(
-                f"dataloader.sources: got {len(self.sources)} sources {[s.name for s in self.sources]} for a "
-                "validation loader (packing: null); it reads every document exactly once, but a mixture repeats "
-                "its smaller sources until the largest is read; give each source its own validation loader "
-                "(AutoModel: one validation_dataloader_<name> block each)"
-            )
 
     @property
     def is_validation(self) -> bool:
@@ -185,7 +177,8 @@ class ZephonDataloaderConfig(TextLoaderConfig):
         if self._validation:
             # One unshuffled pass of wrap-packed rows, the whole set on every rank (see the class docstring).
             config = dataclasses.replace(
-                self, packing=PackingOptions(algorithm="wrap"), shuffle=False, distributed=DistributedConfig()
+                self, packing=PackingOptions(algorithm="wrap"), shuffle=False, mixture="once",
+                distributed=DistributedConfig(),
             )
             coordinates = (0, 1)
         elif _is_default_group(dp_rank, dp_world_size):

@@ -231,7 +231,7 @@ class WorkSource:
 
 
 def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None = None) -> WorkSource:
-    """The mixture of the configured shard folders, read in whole passes.
+    """The mixture of the configured shard folders, read in whole passes (``config.mixture``).
 
     Args:
         config: The validated loader config (sources, ``chunk_size``, ``shuffle``, ``seed``).
@@ -257,7 +257,12 @@ def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None 
                      "The shards are empty; add data or drop the source.")
             )
     weights = [source.weight for source in config.sources]
-    chunk_size, upper = _work_chunk_size(names, counts, weights, config.chunk_size, lanes)
+    once = getattr(config, "mixture", "repeat") == "once"
+    if once:  # every record exactly once: Zephon clamps a running-out source's quota, no pass is cut short
+        upper = min(DEFAULT_CHUNK_SIZE, max(1, sum(counts) // (CHUNKS_PER_LANE * lanes)) if lanes > 1 else sum(counts))
+        chunk_size = config.chunk_size or upper
+    else:
+        chunk_size, upper = _work_chunk_size(names, counts, weights, config.chunk_size, lanes)
     # Every K chunks Zephon flushes packing and batching: the open rows are padded and a short batch
     # is delivered (padded to B by collate). Keep the records between flushes near what its default
     # K gives at the largest size the data allows, so small chunk sizes do not flush every few records.
@@ -270,7 +275,9 @@ def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None 
         seed=int(config.seed if seed is None else seed),
         shuffle_shards=config.shuffle,
         shuffle_within_shard=config.shuffle,
-        stop_after_passes=1,
+        # once: each source read once, then dropped from the mixture (the others renormalized);
+        # repeat: every source repeats until the slowest was read whole once.
+        **({"exhausted_policy": "redistribute"} if once else {"stop_after_passes": 1}),
     )
     return WorkSource(source, ShardTable.from_folders(names, paths), chunk_size, flush_every_k_chunks)
 
