@@ -45,6 +45,7 @@ from zephon_loader.records import (
     VALIDATION_KEY,
     Problem,
     ShardTable,
+    check_records,
     refuse_or_log_drop,
 )
 from zephon_loader.source import ZephonKeys
@@ -176,24 +177,7 @@ class ProcessImageRecords:
 
     # -- Zephon's entry point ----------------------------------------------------------------
     def __call__(self, elems: list[Any]) -> list[Any]:
-        from zephon.ops.children import tombstones_for_record
-
-        out: list[Any] = []
-        for elem in elems:
-            meta = elem.meta
-            if meta.tombstone:
-                out.append(elem)
-                continue
-            raw = elem.payload
-            payload, problem = self.process(raw, meta.sample_id)
-            if problem is None:
-                elem.payload = payload
-                out.append(elem)
-                continue
-            if not (isinstance(raw, Mapping) and VALIDATION_KEY in raw):  # Zephon's validator: never counted
-                self._refuse_or_count(meta, problem, payload)
-            out.extend(tombstones_for_record(elem))
-        return out
+        return check_records(elems, lambda raw, meta: self.process(raw, meta.sample_id), self._refuse_or_count)
 
     def process(self, raw: Any, sample_id: Any) -> tuple[dict[str, Any] | None, Problem | None]:
         """One record: ``(payload, None)``, or ``(partial payload or None, problem)``."""

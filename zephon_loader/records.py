@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,11 @@ __all__ = [
     "CheckRawRecords",
     "CheckTokens",
     "DropLog",
+    "Problem",
     "ShardTable",
+    "VALIDATION_KEY",
+    "check_records",
+    "refuse_or_log_drop",
 ]
 
 logger = logging.getLogger("zephon_loader.records")
@@ -301,24 +305,48 @@ class _RecordOp:
         ]
 
     def __call__(self, elems: list[Any]) -> list[Any]:
-        from zephon.ops.children import tombstones_for_record
+        return check_records(elems, lambda payload, meta: self.check(payload), self._refuse_or_count)
 
-        out: list[Any] = []
-        for elem in elems:
-            meta = elem.meta
-            if meta.tombstone:
-                out.append(elem)
-                continue
-            payload, problem = self.check(elem.payload)
-            if problem is None:
-                elem.payload = payload
-                out.append(elem)
-                continue
-            if not (isinstance(elem.payload, Mapping) and VALIDATION_KEY in elem.payload):  # Zephon's validator
-                refuse = problem[0] != LONGER_THAN_ROW and self.policy == "error"
-                refuse_or_log_drop(self.shards, self.log, meta, problem, _token_count(payload), refuse=refuse)
-            out.extend(tombstones_for_record(elem))
-        return out
+    def _refuse_or_count(self, meta: Any, problem: Problem, payload: Any) -> None:
+        refuse = problem[0] != LONGER_THAN_ROW and self.policy == "error"
+        refuse_or_log_drop(self.shards, self.log, meta, problem, _token_count(payload), refuse=refuse)
+
+
+def check_records(
+    elems: list[Any],
+    check: Callable[[Any, Any], tuple[Any, Problem | None]],
+    on_problem: Callable[[Any, Problem, Any], None],
+) -> list[Any]:
+    """The body of a record operator's Zephon ``process_many``: check each record, keep, refuse or skip it.
+
+    Args:
+        elems: Zephon ``SampleRecord`` s (tombstones pass through).
+        check: ``(payload, meta) -> (new payload, None)`` or ``(partial payload or None, problem)``.
+        on_problem: Raises for a refused record or counts a skipped one (:func:`refuse_or_log_drop`);
+            not called for Zephon's validator samples (:data:`VALIDATION_KEY`).
+
+    Returns:
+        The kept records with their new payloads, and tombstones for the skipped
+        ones (Zephon's checkpoints stay exact).
+    """
+    from zephon.ops.children import tombstones_for_record
+
+    out: list[Any] = []
+    for elem in elems:
+        meta = elem.meta
+        if meta.tombstone:
+            out.append(elem)
+            continue
+        raw = elem.payload
+        payload, problem = check(raw, meta)
+        if problem is None:
+            elem.payload = payload
+            out.append(elem)
+            continue
+        if not (isinstance(raw, Mapping) and VALIDATION_KEY in raw):  # Zephon's validator: never counted
+            on_problem(meta, problem, payload)
+        out.extend(tombstones_for_record(elem))
+    return out
 
 
 def _token_count(payload: Any) -> int | None:
