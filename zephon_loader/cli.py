@@ -412,7 +412,6 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
             "Install it with: pip install 'zephon-loader[viz]'"
         ) from error
     matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
 
     from zephon_loader.builders import build_text_loader
     from zephon_loader.config import read_loader_config
@@ -435,7 +434,13 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
         settings = loader.settings
     ids = batch["document_ids"]
     title = f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract={settings.packed_mask_type}"
-    figure = draw_batch(batch, row, title, xdoc=settings.xdoc)
+    return save_figure(draw_batch(batch, row, title, xdoc=settings.xdoc), out_png)
+
+
+def save_figure(figure: Any, out_png: Path) -> Path:
+    """Write a matplotlib figure to ``out_png`` (its folder created) and close it."""
+    import matplotlib.pyplot as plt
+
     try:
         out_png.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(out_png, dpi=110)

@@ -167,7 +167,6 @@ def inspect_images(config: str | Path, out_png: str | Path, row: int = 0) -> Pat
         raise ImportError("inspect: matplotlib is not installed; install it with: pip install 'zephon-loader[viz]'") \
             from error
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     from zephon_loader.image_builder import build_image_loader
     from zephon_loader.config import read_loader_config
@@ -190,10 +189,6 @@ def inspect_images(config: str | Path, out_png: str | Path, row: int = 0) -> Pat
     ids = batch[F.DOCUMENT_IDS]
     title = (f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract={settings.packed_mask_type}, "
              f"images={int(batch[F.N_IMAGES_PER_SAMPLE].sum())}")
-    figure = draw_image_batch(batch, row, title, vision_ids=vision_ids, xdoc=settings.xdoc)
-    try:
-        out_png.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(out_png, dpi=110)
-    finally:
-        plt.close(figure)
-    return out_png
+    from zephon_loader.cli import save_figure
+
+    return save_figure(draw_image_batch(batch, row, title, vision_ids=vision_ids, xdoc=settings.xdoc), out_png)
