@@ -388,3 +388,27 @@ def test_collate_completes_a_short_batch_with_padding_rows():
         collate(short_batch(4), mask_cross_document_labels=True, micro_batch_size=3, pad_token_id=PAD)
     with pytest.raises(ValueError, match=r"pad_token_id: got None, expected an int >= 0"):
         collate(batch, mask_cross_document_labels=True, micro_batch_size=4)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 4])
+@pytest.mark.parametrize("mixture", ["two_3:1", "three_1:2:5"])
+def test_mixture_once_reads_every_record_exactly_once_across_lanes(corpora, mixture, lanes):
+    """``mixture: once`` (validation, exact epochs): the work source the builder makes, dealt to every lane,
+    draws each record of each source exactly once, whatever the weights (the smaller sources do not repeat)."""
+    from zephon_loader.config import text_loader_config
+    from zephon_loader.work_source import build_work_source
+
+    counts, weights = MIXTURES[mixture]
+    config = text_loader_config(
+        sources=[{"name": f"s{i}", "path": str(p), "weight": w} for i, (p, w) in enumerate(zip(corpora[mixture], weights))],
+        sequence_length=8, micro_batch_size=1, tokenizer={"pretokenized_field": "ids"}, pad_token_id=0,
+        mixture="once", seed=3)
+    work = build_work_source(config, lanes=lanes)
+    drawn: list[list[tuple]] = [[] for _ in counts]
+    for lane in range(lanes):
+        source = work.source.clone_for_lane(lane, lanes)
+        while (chunk := source.next_chunk()) is not None:
+            for name, ids in chunk.components.items():
+                drawn[int(name[1:])].extend(tuple(int(x) for x in sample) for sample in ids)
+    for index, count in enumerate(counts):
+        assert len(drawn[index]) == count and len(set(drawn[index])) == count, (index, len(drawn[index]), count)
