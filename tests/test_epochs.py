@@ -142,3 +142,36 @@ def test_epoch_seeds_are_fixed_numbers():
     assert [epoch_seed(7, e) for e in (1, 2)] == [epoch_seed(7, 1), epoch_seed(7, 2)]
     assert len({epoch_seed(7, e) for e in range(50)}) == 50
     assert epoch_seed(7, 1) == int.from_bytes(__import__("hashlib").sha256(b"zephon_loader.epoch:7:1").digest()[:4], "big")
+
+
+@pytest.mark.parametrize("choose", [False, True])
+def test_a_state_saved_after_its_pass_ended_resumes_at_the_next_epoch(jsonl_sources, tokenizer_dir, choose):
+    """The common loop "one epoch, then checkpoint": the resumed run reads epoch 1, not an empty epoch 0."""
+    config = _config(jsonl_sources, tokenizer_dir)
+    with build_text_loader(config) as loader:
+        _pass(loader)
+        state = json.loads(json.dumps(loader.state_dict()))
+        epoch1 = _pass(loader)
+        documents = sum(s["delivered"]["documents"] for s in loader.stats()["sources"].values())
+    assert state["epoch"] == 0 and state["pass_ended"] is True
+    with build_text_loader(config) as resumed:
+        resumed.load_state_dict(state)
+        if choose:
+            resumed.set_epoch(1)  # what AutoModel's step scheduler does at the next epoch
+        assert _same(_pass(resumed), epoch1)
+        assert resumed.epoch == 1
+        assert sum(s["delivered"]["documents"] for s in resumed.stats()["sources"].values()) == documents
+
+
+def test_automodels_step_scheduler_reaches_the_loader_through_its_sampler(jsonl_sources, tokenizer_dir):
+    """AutoModel 0.7.0's ``StepScheduler.set_epoch`` calls ``dataloader.sampler.set_epoch`` (run on its own code)."""
+    from types import SimpleNamespace
+
+    step_scheduler = pytest.importorskip("nemo_automodel.components.training.step_scheduler")
+    with build_text_loader(_config(jsonl_sources, tokenizer_dir)) as loader:
+        epoch0 = _pass(loader)
+        epoch1 = _pass(loader)
+        step_scheduler.StepScheduler.set_epoch(SimpleNamespace(dataloader=loader), 0)
+        assert _same(_pass(loader), epoch0)
+        step_scheduler.StepScheduler.set_epoch(SimpleNamespace(dataloader=loader), 1)
+        assert _same(_pass(loader), epoch1)

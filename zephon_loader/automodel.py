@@ -36,7 +36,7 @@ already is a ``RecipeConfig``, so the one hook is the config view:
 and defers to AutoModel for everything else. The recipe body is AutoModel's
 own: ``materialize_loader`` builds each loader through
 :meth:`~zephon_loader.recipe.ZephonDataloaderConfig.build`, the step scheduler
-iterates it (and calls ``set_epoch``), ``save_checkpoint`` /
+iterates it (its ``set_epoch`` reaches the loader through ``loader.sampler``), ``save_checkpoint`` /
 ``load_checkpoint`` save and restore its state per DP rank, and validation
 loaders come from ``replace(config, packing=None)`` (a Zephon validation
 loader: every token of every document once, see ``ZephonDataloaderConfig``).

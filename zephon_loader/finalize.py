@@ -195,7 +195,7 @@ def thd_fields(ids: torch.Tensor) -> dict[str, Any]:
 
 
 def hf_position_fields(
-    ids: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor, labels: torch.Tensor
+    ids: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor, labels: torch.Tensor, *, check: bool = True
 ) -> dict[str, Any]:
     """The ``position_ids`` contract (``attn_implementation: hf``): fields for a stock Hugging Face model.
 
@@ -222,6 +222,9 @@ def hf_position_fields(
         ids: int64 ``[B, S]`` attention document ids (0 at padding; no
             eligibility holes: refused for this contract at construction).
         positions: int64 ``[B, S]`` (multi-axis ``[A, B, S]`` is refused).
+        check: Compare transformers' segmentation with ``ids`` (a caller's
+            batch). ``collate`` derives the ids from Zephon's positions, so the
+            loader's hot path skips it.
         padding: bool ``[B, S]``, True at trailing padding.
         labels: int64 ``[B, S]``, already shifted (``labels[j]`` = token ``j + 1``).
 
@@ -242,7 +245,7 @@ def hf_position_fields(
             "(attn_implementation 'hf'); transformers derives packed sequences from [batch, sequence] positions "
             "only; use an AutoModel contract ('document_ids' or 'block_causal') for multi-axis (mRoPE) positions"
         )
-    if ids.shape[1] > 1:
+    if check and ids.shape[1] > 1:
         transformers_starts = positions.diff(dim=1) != 1
         document_starts = ids.diff(dim=1).bool()
         disagree = (transformers_starts != document_starts).logical_and_(~padding[:, 1:])
@@ -279,10 +282,10 @@ def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict
             :func:`finalize_collated`.
     """
     check_training_batch(batch, batch.get(F.ATTENTION_ELIGIBILITY))
-    return finalize_collated(batch, settings)
+    return finalize_collated(batch, settings, _validated=False)
 
 
-def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict[str, Any]:
+def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _validated: bool = True) -> dict[str, Any]:
     """Apply the final map stage to a batch ``collate`` built (the loader's hot path).
 
     Nothing ``collate`` guarantees is checked again: int64 ``[B, S]`` tokens,
@@ -322,7 +325,8 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings) -> d
     elif mask_type == "flash_varlen":
         out.update(flash_varlen_kwargs(ids))
     else:
-        out.update(hf_position_fields(ids, work[F.POSITION_IDS], work[F.PADDING_MASK], work[F.LABELS]))
+        out.update(hf_position_fields(ids, work[F.POSITION_IDS], work[F.PADDING_MASK], work[F.LABELS],
+                                      check=not _validated))
     if settings.metadata:
         out.update(build_packed_sequence_metadata(ids))
     if settings.thd:

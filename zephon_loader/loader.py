@@ -97,12 +97,15 @@ class ZephonLoader(StatefulDataLoader):
       new pass from the beginning (or from the state ``load_state_dict`` gave)
       and invalidates the previous iterator: advancing that one raises
       ``RuntimeError`` instead of silently moving the new pass.
-    * Epochs: every epoch reads each source once, in an order derived from
+    * Epochs: an epoch is one pass as the config's ``mixture`` defines it
+      (``repeat``: every source at least once, lighter ones repeating;
+      ``once``: every record exactly once), in an order derived from
       ``(seed, epoch)`` (the same on every run, rank and DP size). A pass
       that follows an exhausted one starts the next epoch; ``set_epoch(e)``
-      (called by AutoModel's step scheduler, the HF Trainer, or the user)
-      chooses the epoch of the next ``iter()`` instead. A pass restarted
-      before its end restarts the same epoch. The state records the epoch.
+      (AutoModel's step scheduler calls it through ``loader.sampler``) chooses
+      the epoch of the next ``iter()`` instead. A pass restarted before its
+      end restarts the same epoch. The state records the epoch, and whether
+      its pass had ended: such a state resumes at the start of the next epoch.
     * ``state_dict()``: JSON- and pickle-safe dict (AutoModel's
       ``weights_only`` load accepts it). Taken after the training loop
       consumed ``k`` batches, a loader that ``load_state_dict``-s it yields
@@ -134,6 +137,7 @@ class ZephonLoader(StatefulDataLoader):
         {"format": "zephon_loader.state/2",
          "fingerprint": {...},                 # what fixes the stream (builders)
          "epoch": int,                         # the epoch of the checkpoint (absent: 0)
+         "pass_ended": bool,                   # the epoch's pass was read to its end (absent: False)
          "zephon_checkpoint": {...},           # pipeline.checkpoint(): every lane
          "buffered": [{"lane": int,            # pulled from Zephon, not yet delivered,
                        "batch": {...}}, ...]}  # collated (readahead.encode_batch), in order
@@ -203,10 +207,19 @@ class ZephonLoader(StatefulDataLoader):
             self._check_open()
             pending, self._pending = self._pending, None
             if self._stats is not None:
-                self._stats.load_state_dict(pending["stats"]) if pending is not None else self._stats.reset()
+                # Deliveries count per pass: a new pass (or one after a state whose pass had ended) starts at 0.
+                if pending is not None and not pending["pass_ended"]:
+                    self._stats.load_state_dict(pending["stats"])
+                else:
+                    self._stats.reset()
             self._generation += 1
             self._started = False
-            if pending is None:
+            if pending is not None and pending["pass_ended"]:
+                # Saved after its pass ended: what comes next is the next epoch (or the one set_epoch chose).
+                if not self._epoch_chosen:
+                    self._source.set_epoch(pending["epoch"] + 1)
+                self._read_ahead.reset(None)
+            elif pending is None:
                 if self._exhausted and not self._epoch_chosen:
                     self._source.set_epoch(self._source.epoch + 1)
                 self._read_ahead.reset(None)
@@ -241,6 +254,12 @@ class ZephonLoader(StatefulDataLoader):
             if self._stats is not None and counts is not None:
                 self._stats.add_delivered(counts)
             return batch
+
+    @property
+    def sampler(self) -> "EpochHook":
+        """Where AutoModel's ``StepScheduler.set_epoch`` looks (``dataloader.sampler.set_epoch``): it reaches
+        :meth:`set_epoch`. There is no sampler otherwise (Zephon orders and deals the records)."""
+        return EpochHook(self)
 
     @property
     def dp_rank(self) -> int:
@@ -304,7 +323,9 @@ class ZephonLoader(StatefulDataLoader):
         ``attention_eligibility`` when configured, ...) for inspection tools.
         It restarts the Zephon source, so a live iterator becomes stale (it
         raises ``RuntimeError`` when advanced); the next ``iter()`` starts
-        from the beginning, or from a state loaded before.
+        the pass it would have started anyway (the current epoch from its
+        beginning, or the next epoch after a finished pass), or from a state
+        loaded before.
 
         Raises:
             RuntimeError: The stream is empty.
@@ -349,6 +370,7 @@ class ZephonLoader(StatefulDataLoader):
                 "format": STATE_FORMAT,
                 "fingerprint": copy.deepcopy(self.fingerprint),
                 "epoch": int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
+                "pass_ended": self._exhausted,
                 "zephon_checkpoint": checkpoint,
                 "buffered": self._handoff.gather(checkpoint, local),
                 "stats": self._stats.state_dict() if self._stats is not None else None,
@@ -425,6 +447,10 @@ class ZephonLoader(StatefulDataLoader):
         epoch = state_dict.get("epoch", 0)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"state_dict.epoch: got {epoch!r}, expected an int >= 0 (the epoch the state was saved in)")
+        pass_ended = state_dict.get("pass_ended", False)
+        if not isinstance(pass_ended, bool):
+            raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
+                             "was read to its end)")
         buffered = state_dict.get("buffered")
         if not isinstance(buffered, list):
             raise ValueError(
@@ -449,6 +475,7 @@ class ZephonLoader(StatefulDataLoader):
             "format": STATE_FORMAT,
             "fingerprint": copy.deepcopy(dict(saved)),
             "epoch": epoch,
+            "pass_ended": pass_ended,
             "zephon_checkpoint": copy.deepcopy(dict(checkpoint)),
             "buffered": copy.deepcopy(buffered),
             "stats": self._checked_stats(state_dict.get("stats")),
@@ -478,6 +505,17 @@ class ZephonLoader(StatefulDataLoader):
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("ZephonLoader is closed; build a new loader")
+
+
+class EpochHook:
+    """``loader.sampler``: forwards ``set_epoch`` to its loader (the hook training loops call on samplers)."""
+
+    def __init__(self, loader: ZephonLoader) -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """:meth:`ZephonLoader.set_epoch`."""
+        self._loader.set_epoch(epoch)
 
 
 class _Pass(Iterator[dict[str, Any]]):
