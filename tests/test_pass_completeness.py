@@ -412,3 +412,45 @@ def test_mixture_once_reads_every_record_exactly_once_across_lanes(corpora, mixt
                 drawn[int(name[1:])].extend(tuple(int(x) for x in sample) for sample in ids)
     for index, count in enumerate(counts):
         assert len(drawn[index]) == count and len(set(drawn[index])) == count, (index, len(drawn[index]), count)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_passes_reads_every_record_that_many_times(corpora, lanes):
+    """``passes: 3``: one stream of three whole passes (each reshuffled by Zephon), dealt to every lane."""
+    from collections import Counter
+
+    from zephon_loader.config import text_loader_config
+    from zephon_loader.work_source import build_work_source
+
+    config = text_loader_config(
+        sources=[{"name": "s0", "path": str(corpora["one"][0])}], sequence_length=8, micro_batch_size=1,
+        tokenizer={"pretokenized_field": "ids"}, pad_token_id=0, passes=3, seed=3)
+    work = build_work_source(config, lanes=lanes)
+    drawn: list[tuple] = []
+    for lane in range(lanes):
+        source = work.source.clone_for_lane(lane, lanes)
+        while (chunk := source.next_chunk()) is not None:
+            drawn.extend(tuple(int(x) for x in sample) for ids in chunk.components.values() for sample in ids)
+    assert len(drawn) == 3 * MIXTURES["one"][0][0]
+    assert set(Counter(drawn).values()) == {3}
+
+
+def test_endless_passes_keep_every_lane_going_and_refuse_mixture_once(corpora, tokenizer_dir):
+    """``passes: null``: the stream never ends (training by steps; no lane reaches a pass end before another)."""
+    from zephon_loader import build_text_loader
+    from zephon_loader.config import text_loader_config
+
+    keys = dict(sources=[{"name": "s0", "path": str(corpora["one"][0])}], sequence_length=8, micro_batch_size=2,
+                tokenizer={"pretokenized_field": "ids"}, pad_token_id=0, packing={"algorithm": "wrap"}, read_ahead=0)
+    with build_text_loader(dict(keys, passes=1)) as one:
+        per_pass = sum(1 for _ in one)
+    with build_text_loader(dict(keys, passes=None)) as endless:
+        iterator = iter(endless)
+        for _ in range(3 * per_pass + 1):
+            next(iterator)
+        assert endless.stats()["sources"]["s0"]["delivered"]["documents"] > 3 * MIXTURES["one"][0][0]
+        assert endless.fingerprint["passes"] is None
+    with pytest.raises(ValueError, match=r"dataloader\.passes: got None with mixture: once, expected 1"):
+        text_loader_config(**keys, passes=None, mixture="once")
+    with pytest.raises(ValueError, match=r"dataloader\.passes: got 0, expected an int > 0 or null"):
+        text_loader_config(**keys, passes=0)

@@ -175,8 +175,11 @@ def build_text_loader(
         "eligibility_field": cfg.eligibility_field,
         "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
     }
-    if cfg.mixture != "repeat":  # named only when not the default: states saved before the key existed still load
+    # Named only when not the default: states saved before these keys existed still load.
+    if cfg.mixture != "repeat":
         fingerprint["mixture"] = cfg.mixture
+    if cfg.passes != 1:
+        fingerprint["passes"] = cfg.passes
     return ZephonLoader(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(collate_fn),

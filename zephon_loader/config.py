@@ -266,6 +266,11 @@ class TextLoaderConfig(LoaderSchema):
             every record of every source exactly once; the weights hold until a
             source runs out, then the others share its share (evaluation, or one
             exact epoch).
+        passes: Passes over the sources in one stream, each reshuffled by
+            Zephon (``mixture: repeat`` only); an epoch of the loader is this
+            stream. ``null``: endless, for training by steps: the stream never
+            ends, so data-parallel ranks never reach the end of a pass at
+            different steps (their lanes hold different numbers of batches).
         chunk_size: Zephon work-chunk size in records; ``None`` picks one that fits the smallest source.
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
@@ -297,6 +302,7 @@ class TextLoaderConfig(LoaderSchema):
     seed: int = 0
     shuffle: bool = True
     mixture: Literal["repeat", "once"] = "repeat"
+    passes: int | None = 1
     chunk_size: int | None = None
     read_ahead: int = 2
     block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES
@@ -313,6 +319,11 @@ class TextLoaderConfig(LoaderSchema):
         for name in ("sequence_length", "micro_batch_size", "block_mask_budget_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0")
+        if self.passes is not None and self.passes <= 0:
+            raise ValueError(f"dataloader.passes: got {self.passes}, expected an int > 0 or null (endless)")
+        if self.mixture == "once" and self.passes != 1:
+            raise ValueError(f"dataloader.passes: got {self.passes} with mixture: once, expected 1 (once reads every "
+                             "record exactly once; use mixture: repeat for several or endless passes)")
         for name in ("seed", "pad_token_id", "eos_token_id"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int >= 0")

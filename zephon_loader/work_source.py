@@ -276,10 +276,19 @@ def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None 
         shuffle_shards=config.shuffle,
         shuffle_within_shard=config.shuffle,
         # once: each source read once, then dropped from the mixture (the others renormalized);
-        # repeat: every source repeats until the slowest was read whole once.
-        **({"exhausted_policy": "redistribute"} if once else {"stop_after_passes": 1}),
+        # repeat: every source repeats until the slowest was read whole `passes` times (None: endless).
+        **_pass_policy(once, getattr(config, "passes", 1)),
     )
     return WorkSource(source, ShardTable.from_folders(names, paths), chunk_size, flush_every_k_chunks)
+
+
+def _pass_policy(once: bool, passes: int | None) -> dict[str, Any]:
+    """Zephon's exhaustion settings: once (``redistribute``), ``passes`` passes, or endless repetition."""
+    if once:
+        return {"exhausted_policy": "redistribute"}
+    if passes is None:
+        return {"exhausted_policy": "repeat", "stop_after_passes": None}
+    return {"stop_after_passes": int(passes)}
 
 
 def _work_chunk_size(
