@@ -147,6 +147,7 @@ def user_config(data: Path) -> dict:
         "sources": [{"name": "train", "path": str(data / "train")}],
         "tokenizer": {"path": str(data / "tokenizer")},
         "sequence_length": SEQUENCE_LENGTH,
+        "passes": None,  # endless: with several ranks, lanes would end a pass at different steps
     }
     config["validation_dataloader"] = {
         "_target_": "zephon_loader.ZephonDataloaderConfig",
