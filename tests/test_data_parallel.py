@@ -86,3 +86,33 @@ def test_bad_coordinates_are_refused_before_any_worker_starts(jsonl_sources, tok
     with pytest.raises(ValueError, match=match):
         build_text_loader(config, **kwargs)
     assert threading.active_count() <= threads
+
+
+def test_coordinates_from_a_process_group_or_a_device_mesh_dimension(jsonl_sources, tokenizer_dir, tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = text_loader_config(**_config(jsonl_sources, tokenizer_dir))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        assert data_parallel(cfg, None, None, group) == DataParallel(0, 1)
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        assert data_parallel(cfg, None, None, mesh["dp"]) == DataParallel(0, 1)
+        with pytest.raises(ValueError, match=r"dp_group: got a 2-D DeviceMesh, expected its data-parallel dimension"):
+            data_parallel(cfg, None, None, mesh)
+        with pytest.raises(ValueError, match=r"dp_group: got a group and dp_rank/dp_world_size"):
+            data_parallel(cfg, 0, 1, group)
+        with build_text_loader(cfg, dp_group=mesh["dp"]) as loader:
+            assert (loader.dp_rank, loader.dp_world_size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_four_gives_its_rank_and_size(jsonl_sources, tokenizer_dir, monkeypatch):
+    """The coordinates are the group's, not the world's (tensor-parallel peers share a data-parallel rank)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 7 if group is None else 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8 if group is None else 4)
+    cfg = text_loader_config(**_config(jsonl_sources, tokenizer_dir))
+    dp = data_parallel(cfg, None, None, object())
+    assert (dp.rank, dp.size, dp.aggregate_store) == (3, 4, "torch://")

@@ -82,6 +82,7 @@ def build_text_loader(
     tokenizer: Any = None,
     dp_rank: int | None = None,
     dp_world_size: int | None = None,
+    dp_group: Any = None,
     collate_wrapper: Callable | None = None,
     dataset_build_context: ContextManager[Any] | None = None,
     pin_memory: bool | None = None,
@@ -102,6 +103,8 @@ def build_text_loader(
             to one derived from the config, the same on every rank), else a
             single rank. With several ranks and explicit coordinates set
             ``distributed.aggregate_dir`` or ``aggregate_store``.
+        dp_group: Instead of the two: the data-parallel ``ProcessGroup`` or
+            1-D ``DeviceMesh`` (e.g. ``mesh["dp"]``) whose rank and size they are.
         collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
         dataset_build_context: Entered while the Zephon pipeline is built (AutoModel's rank ordering).
         pin_memory: ``None`` = pin when CUDA is available.
@@ -120,7 +123,7 @@ def build_text_loader(
         sequence_length=cfg.sequence_length,
         block_mask_budget_bytes=cfg.block_mask_budget_bytes,
     )
-    dp = data_parallel(cfg, dp_rank, dp_world_size)
+    dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
 
     owned: list[str] = []
     tokenizer_dir: str | None = None
@@ -193,8 +196,14 @@ def build_text_loader(
     )
 
 
-def data_parallel(cfg: TextLoaderConfig, dp_rank: int | None, dp_world_size: int | None) -> DataParallel:
-    """This rank's DP coordinates: the ones passed, else torch.distributed's default group, else one rank.
+def data_parallel(
+    cfg: TextLoaderConfig, dp_rank: int | None, dp_world_size: int | None, dp_group: Any = None
+) -> DataParallel:
+    """This rank's DP coordinates: the ones passed, else ``dp_group``'s, else torch.distributed's default
+    group's, else one rank.
+
+    ``dp_group`` is the data-parallel ``ProcessGroup``, or a 1-D ``DeviceMesh``
+    (e.g. ``mesh["dp"]``): its rank and size are the coordinates.
 
     When torch.distributed is initialized (coordinates passed or not), the
     aggregation store defaults to ``torch://`` (the process group's
@@ -209,13 +218,18 @@ def data_parallel(cfg: TextLoaderConfig, dp_rank: int | None, dp_world_size: int
     if (dp_rank is None) != (dp_world_size is None):
         raise ValueError(
             f"dp_rank/dp_world_size: got {dp_rank!r}/{dp_world_size!r}, expected both or neither "
-            "(neither: taken from torch.distributed when it is initialized)"
+            "(neither: taken from dp_group, or from torch.distributed when it is initialized)"
         )
+    if dp_group is not None and dp_rank is not None:
+        raise ValueError("dp_group: got a group and dp_rank/dp_world_size; expected one of them (the group's rank "
+                         "and size are the coordinates)")
     import torch.distributed as dist
 
     configured = cfg.distributed
     initialized = dist.is_available() and dist.is_initialized()
-    if dp_rank is None:
+    if dp_group is not None:
+        dp_rank, dp_world_size = _group_coordinates(dp_group)
+    elif dp_rank is None:
         dp_rank, dp_world_size = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
     # With a process group (also when the recipe passes DP coordinates under TP/CP), Zephon can meet
     # at its rendezvous store; without one, the YAML must name a shared folder or store.
@@ -232,6 +246,24 @@ def data_parallel(cfg: TextLoaderConfig, dp_rank: int | None, dp_world_size: int
             f"size {dp.size}. Pick one divisible by every DP size you will run or resume with (e.g. 8 for 1, 2, 4, 8)."
         )
     return dp
+
+
+def _group_coordinates(group: Any) -> tuple[int, int]:
+    """``(rank, size)`` in a data-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``."""
+    import torch.distributed as dist
+
+    if hasattr(group, "get_local_rank") and hasattr(group, "size"):  # a DeviceMesh
+        if getattr(group, "ndim", 1) != 1:
+            raise ValueError(f"dp_group: got a {group.ndim}-D DeviceMesh, expected its data-parallel dimension "
+                             "(e.g. mesh['dp'])")
+        return int(group.get_local_rank()), int(group.size())
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("dp_group: got a process group but torch.distributed is not initialized")
+    try:
+        return int(dist.get_rank(group)), int(dist.get_world_size(group))
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"dp_group: got {type(group).__name__}, expected a torch.distributed ProcessGroup this "
+                         f"rank belongs to, or a 1-D DeviceMesh ({error})") from error
 
 
 def _config_digest(cfg: TextLoaderConfig) -> str:

@@ -72,6 +72,7 @@ def build_image_loader(
     get_rope_index: Callable[..., Any] | None = None,
     dp_rank: int | None = None,
     dp_world_size: int | None = None,
+    dp_group: Any = None,
     collate_wrapper: Callable | None = None,
     dataset_build_context: ContextManager[Any] | None = None,
     pin_memory: bool | None = None,
@@ -91,6 +92,7 @@ def build_image_loader(
             every record come from it (the processor must have ``bind_get_rope_index``).
         dp_rank, dp_world_size: This rank's data-parallel coordinates (both or
             neither; neither: ``torch.distributed``'s default group, else one rank).
+        dp_group: Instead of the two: the data-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``.
         collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
         dataset_build_context: Entered while the processor and the Zephon pipeline are built.
         pin_memory: ``None`` = pin when CUDA is available.
@@ -122,7 +124,7 @@ def build_image_loader(
         block_mask_budget_bytes=cfg.block_mask_budget_bytes,
     )
     settings = finalize(attention_eligibility=False)  # everything but eligibility, before the processor loads
-    dp = data_parallel(cfg, dp_rank, dp_world_size)
+    dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
     if get_rope_index is not None and cfg.runtime.runner == "process":
         raise ValueError(
             "dataloader.runtime.runner: got 'process' with a model get_rope_index, expected 'threads' (or 'auto'): "
