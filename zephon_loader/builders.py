@@ -144,7 +144,7 @@ def build_text_loader(
     except BaseException:
         _remove(owned)
         raise
-    mask_cross = cfg.mask_cross_document_labels if cfg.mask_cross_document_labels is not None else not cfg.xdoc
+    mask_cross = cfg.labels_mask_cross_document
     collate_fn = partial(
         collate,
         mask_cross_document_labels=mask_cross,
@@ -158,31 +158,15 @@ def build_text_loader(
     )
     tok = cfg.tokenizer
     names = [source.name for source in cfg.sources]
-    fingerprint = {
-        # Shard contents, not paths: a run may resume where the data is mounted elsewhere (zephon_loader.fingerprint).
-        "sources": [[source.name, source.weight] for source in cfg.sources],
-        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in built.shards.sources},
+    fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, cfg.micro_batch_size, {
         "tokenizer": [tok.text_field, tok.pretokenized_field, tok.chat_field, tok.special_tokens],
         "tokenizer_files": tokenizer_fingerprint(str(built.tokenizer_dir) if built.tokenizer_dir else None),
         "chat_template": [tok.chat_template, tok.chat_loss_scope],
-        "canonical_replicas": cfg.distributed.canonical_replicas or dp.size,
         "records": [cfg.on_bad_record, cfg.max_record_tokens, cfg.max_record_bytes],
-        "sequence_length": cfg.sequence_length,
-        "micro_batch_size": cfg.micro_batch_size,
         "packing": [cfg.packing.algorithm, cfg.packing.num_bins, built.pad_token_id],
-        "seed": cfg.seed,
-        "shuffle": cfg.shuffle,
-        "chunk_size": cfg.chunk_size,
-        "contract": list(validate_packing_contract(contract)),
-        "xdoc": cfg.xdoc,
         "eligibility_field": cfg.eligibility_field,
         "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
-    }
-    # Named only when not the default: states saved before these keys existed still load.
-    if cfg.mixture != "repeat":
-        fingerprint["mixture"] = cfg.mixture
-    if cfg.passes != 1:
-        fingerprint["passes"] = cfg.passes
+    })
     return ZephonLoader(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(collate_fn),
@@ -194,6 +178,37 @@ def build_text_loader(
         on_close=partial(_remove, owned),
         stats=LoaderStats(names, built.drop_log),
     )
+
+
+def stream_fingerprint(
+    cfg: Any, shards: Any, dp: DataParallel, contract: object, micro_batch_size: int, specific: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What fixes a loader's batch stream, as JSON: a state saved under another one is refused.
+
+    The keys every loader shares (sources and their shard contents, lanes, shapes,
+    order, contract), then the builder's own (``specific``: tokenizer, processor,
+    packing, label masking, ...). Shard contents, not paths: a run may resume
+    where the data is mounted elsewhere (:mod:`zephon_loader.fingerprint`).
+    ``mixture`` and ``passes`` are named only when not their defaults, so states
+    saved before those keys existed still load.
+    """
+    fingerprint = {
+        "sources": [[source.name, source.weight] for source in cfg.sources],
+        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in shards.sources},
+        "canonical_replicas": cfg.distributed.canonical_replicas or dp.size,
+        "sequence_length": cfg.sequence_length,
+        "micro_batch_size": micro_batch_size,
+        "seed": cfg.seed,
+        "shuffle": cfg.shuffle,
+        "chunk_size": cfg.chunk_size,
+        "contract": list(validate_packing_contract(contract)),
+        "xdoc": cfg.xdoc,
+        **specific,
+    }
+    for key, default in (("mixture", "repeat"), ("passes", 1)):
+        if getattr(cfg, key, default) != default:
+            fingerprint[key] = getattr(cfg, key)
+    return fingerprint
 
 
 def data_parallel(

@@ -187,7 +187,8 @@ class LoaderSchema:
     """What the text and image loader configs share: the YAML reader's hooks, typed coercion,
     the source and distributed checks, and path resolution.
 
-    A subclass is a frozen dataclass with ``sources``, ``distributed`` and ``base_dir`` fields.
+    A subclass is a frozen dataclass with ``sources``, ``distributed``, ``base_dir``,
+    ``xdoc`` and ``mask_cross_document_labels`` fields.
     """
 
     #: The bundled example the YAML reader points to.
@@ -226,6 +227,12 @@ class LoaderSchema:
                              "expected an int > 0 or null")
         if distributed.run_id == "":
             raise ValueError("dataloader.distributed.run_id: got '', expected a non-empty run id or null")
+
+    @property
+    def labels_mask_cross_document(self) -> bool:
+        """``mask_cross_document_labels`` resolved: on unless xdoc, when unset."""
+        masked = self.mask_cross_document_labels  # type: ignore[attr-defined]
+        return masked if masked is not None else not self.xdoc  # type: ignore[attr-defined]
 
     def resolve_path(self, value: str) -> Path:
         """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""

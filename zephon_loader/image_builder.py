@@ -22,10 +22,15 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
 from zephon_loader import fields as F
-from zephon_loader.builders import data_parallel, epoch_run_id_suffix, epoch_seed, resolve_contract
+from zephon_loader.builders import (
+    data_parallel,
+    epoch_run_id_suffix,
+    epoch_seed,
+    resolve_contract,
+    stream_fingerprint,
+)
 from zephon_loader.config import instantiate, read_loader_config
 from zephon_loader.finalize import FinalizeSettings
-from zephon_loader.fingerprint import shard_list_fingerprint
 from zephon_loader.image_collate import collate_images
 from zephon_loader.image_config import (
     ImageLoaderConfig,
@@ -158,25 +163,15 @@ def build_image_loader(
         eligibility=eligibility,
     )
     records = cfg.records
-    fingerprint = {
+    fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, rows, {
         "kind": "image",
-        "sources": [[source.name, source.weight] for source in cfg.sources],
-        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in built.shards.sources},
         "records": [records.text_field, records.images_field, records.image_marker, cfg.on_bad_record,
                     cfg.max_record_tokens],
         "processor": processor_fingerprint(cfg, processor),
         "get_rope_index": get_rope_index is not None,
-        "canonical_replicas": cfg.distributed.canonical_replicas or dp.size,
-        "sequence_length": cfg.sequence_length,
-        "micro_batch_size": rows,
         "packing": [cfg.packing.algorithm, cfg.packing.num_bins, cfg.packing.oversized],
-        "seed": cfg.seed,
-        "shuffle": cfg.shuffle,
-        "chunk_size": cfg.chunk_size,
-        "contract": list(validate_packing_contract(contract)),
-        "xdoc": cfg.xdoc,
         "label_masking": mask_cross,
-    }
+    })
     return ImageLoader(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(collate_fn),

@@ -251,11 +251,6 @@ class ImageLoaderConfig(LoaderSchema):
         """The configured contract, or AutoModel's default (block-causal, no metadata)."""
         return (self.contract or ContractConfig()).build()
 
-    @property
-    def labels_mask_cross_document(self) -> bool:
-        """``mask_cross_document_labels`` resolved: on unless xdoc, when unset."""
-        return self.mask_cross_document_labels if self.mask_cross_document_labels is not None else not self.xdoc
-
 
 def processor_from_node(value: Any, where: str) -> Any:
     """A ``processor`` YAML node as :class:`ProcessorTarget` (it has ``_target_``) or :class:`ProcessorConfig`.
