@@ -7,7 +7,8 @@ import pytest
 from conftest import collect
 from zephon_loader import ImageLoader, ZephonLoader
 from zephon_loader.config import default_config_path
-from zephon_loader.image_cli import build_loader, image_counts, inspect_images, is_image_config, token_kinds
+from zephon_loader.cli import build_from_yaml
+from zephon_loader.image_cli import image_counts, inspect_images, is_image_config, token_kinds
 from zephon_loader.image_config import default_image_config_path
 
 ALIGNED = default_image_config_path().parent / "image_demo_aligned.yaml"
@@ -20,20 +21,20 @@ def test_image_configs_are_recognized():
     assert not is_image_config({"_target_": "zephon_loader.ZephonDataloaderConfig", "sources": []})
 
 
-def test_build_loader_dispatches_by_kind():
-    with build_loader(default_image_config_path()) as loader:
+def test_build_from_yaml_dispatches_by_kind():
+    with build_from_yaml(default_image_config_path()) as loader:
         assert isinstance(loader, ImageLoader)
         batch = collect(loader, 1)[0]
     images, image_tokens = image_counts(batch)
     assert images == int(batch["image_grid_thw"].shape[0]) and image_tokens == int(batch["image_grid_thw"].prod(1).sum() // 4)
-    with build_loader(default_config_path()) as loader:
+    with build_from_yaml(default_config_path()) as loader:
         assert isinstance(loader, ZephonLoader) and not isinstance(loader, ImageLoader)
 
 
 def test_inspect_draws_spans_fillers_padding_and_positions(tmp_path):
     out = inspect_images(ALIGNED, tmp_path / "batch.png", row=1)
     assert out.stat().st_size > 10_000
-    with build_loader(ALIGNED) as loader:
+    with build_from_yaml(ALIGNED) as loader:
         batch = loader.preview()
         processor = loader.processor
     kinds = token_kinds(batch, (processor.vision_start_token_id, processor.vision_end_token_id))

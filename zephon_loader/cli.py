@@ -49,15 +49,13 @@ WRAP_HINT = "use packing.algorithm: wrap to keep long documents (split across ro
 
 
 def build_from_yaml(path: str | Path) -> ZephonLoader:
-    """A single-process loader from a YAML file's ``dataloader`` node.
+    """A single-process loader from a YAML file's ``dataloader`` node: image-text or text, by the node.
 
-    Read by :func:`~zephon_loader.config.read_loader_config`, the same reader
-    ``build_text_loader(path)`` uses: ``_target_`` optional, relative paths
-    against the file's folder.
+    Read by :func:`~zephon_loader.config.read_loader_config`, the reader the
+    builders use: ``_target_`` optional, relative paths against the file's folder.
     """
-    from zephon_loader.builders import build_text_loader
-
-    return build_text_loader(path)
+    cfg, build = _reader_and_builder(Path(path))
+    return build(cfg)
 
 
 def _describe(value: Any) -> str:

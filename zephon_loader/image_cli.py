@@ -1,7 +1,6 @@
 """What ``zephon-loader run`` / ``inspect`` need for image-text configs (the CLI in :mod:`zephon_loader.cli` dispatches here).
 
 * :func:`is_image_config`: whether a YAML (or mapping) describes an image-text loader.
-* :func:`build_loader`: the loader of either kind from a YAML path.
 * :func:`image_counts`: images and image tokens of one yielded batch (for the run report's images/s).
 * :func:`inspect_images` / :func:`draw_image_batch`: the ``inspect`` figure of an image-text batch:
   token kinds (text, image, vision delimiters, ineligible fillers, padding),
@@ -19,7 +18,7 @@ import torch
 
 from zephon_loader import fields as F
 
-__all__ = ["TOKEN_KINDS", "build_loader", "draw_image_batch", "image_counts", "inspect_images", "is_image_config"]
+__all__ = ["TOKEN_KINDS", "draw_image_batch", "image_counts", "inspect_images", "is_image_config"]
 
 #: Keys only an image-text ``dataloader`` section has.
 _IMAGE_KEYS = ("processor", "records")
@@ -55,18 +54,6 @@ def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
             return False
         return isinstance(built, type) and issubclass(built, ImageLoaderConfig)
     return any(key in node for key in _IMAGE_KEYS)
-
-
-def build_loader(path: str | Path) -> Any:
-    """The loader a YAML describes: :func:`~zephon_loader.image_builder.build_image_loader` for an image-text
-    config, :func:`~zephon_loader.builders.build_text_loader` otherwise."""
-    if is_image_config(path):
-        from zephon_loader.image_builder import build_image_loader
-
-        return build_image_loader(path)
-    from zephon_loader.builders import build_text_loader
-
-    return build_text_loader(path)
 
 
 def image_counts(batch: Mapping[str, Any]) -> tuple[int, int]:

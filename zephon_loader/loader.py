@@ -206,22 +206,19 @@ class ZephonLoader(StatefulDataLoader):
         with self._consume_lock, self._state_lock:
             self._check_open()
             pending, self._pending = self._pending, None
-            if self._stats is not None:
-                # Deliveries count per pass: a new pass (or one after a state whose pass had ended) starts at 0.
-                if pending is not None and not pending["pass_ended"]:
-                    self._stats.load_state_dict(pending["stats"])
-                else:
-                    self._stats.reset()
+            # Resume inside a pass, or start one: after an ended pass (this loader's, or the loaded state's)
+            # the next epoch, unless set_epoch chose one.
+            resume = pending is not None and not pending["pass_ended"]
+            if self._stats is not None and resume:  # deliveries count per pass
+                self._stats.load_state_dict(pending["stats"])
+            elif self._stats is not None:
+                self._stats.reset()
             self._generation += 1
             self._started = False
-            if pending is not None and pending["pass_ended"]:
-                # Saved after its pass ended: what comes next is the next epoch (or the one set_epoch chose).
-                if not self._epoch_chosen:
-                    self._source.set_epoch(pending["epoch"] + 1)
-                self._read_ahead.reset(None)
-            elif pending is None:
-                if self._exhausted and not self._epoch_chosen:
-                    self._source.set_epoch(self._source.epoch + 1)
+            if not resume:
+                ended_epoch = pending["epoch"] if pending is not None else self._source.epoch
+                if (pending is not None or self._exhausted) and not self._epoch_chosen:
+                    self._source.set_epoch(ended_epoch + 1)
                 self._read_ahead.reset(None)
             else:
                 owned = self._handoff.owned_lanes()

@@ -259,7 +259,7 @@ def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None 
     weights = [source.weight for source in config.sources]
     once = getattr(config, "mixture", "repeat") == "once"
     if once:  # every record exactly once: Zephon clamps a running-out source's quota, no pass is cut short
-        upper = min(DEFAULT_CHUNK_SIZE, max(1, sum(counts) // (CHUNKS_PER_LANE * lanes)) if lanes > 1 else sum(counts))
+        upper = _lane_cap(min(DEFAULT_CHUNK_SIZE, sum(counts)), counts, lanes)
         chunk_size = config.chunk_size or upper
     else:
         chunk_size, upper = _work_chunk_size(names, counts, weights, config.chunk_size, lanes)
@@ -291,17 +291,22 @@ def _pass_policy(once: bool, passes: int | None) -> dict[str, Any]:
     return {"stop_after_passes": int(passes)}
 
 
+def _lane_cap(largest: int, counts: Sequence[int], lanes: int) -> int:
+    """The largest chunk size to choose: ``largest``, lowered with several lanes to leave each lane
+    :data:`CHUNKS_PER_LANE` chunks (Zephon deals whole chunks to lanes: with small sources one lane would
+    get everything and the others nothing)."""
+    if lanes <= 1:
+        return largest
+    return max(1, min(largest, sum(counts) // (CHUNKS_PER_LANE * lanes)))
+
+
 def _work_chunk_size(
     names: Sequence[str], counts: Sequence[int], weights: Sequence[float], chunk_size: int | None, lanes: int
 ) -> tuple[int, int]:
     """``(chunk size, the largest size the data allows)``: the configured size checked, or the chosen one."""
     shares = _shares(weights)
     largest = _largest_servable_chunk_size(counts, shares, DEFAULT_CHUNK_SIZE)
-    upper = largest
-    if lanes > 1:
-        # Zephon deals whole chunks to lanes: keep several chunks per lane, or
-        # with small sources one lane gets everything and the others nothing.
-        upper = max(1, min(largest, sum(counts) // (CHUNKS_PER_LANE * lanes)))
+    upper = _lane_cap(largest, counts, lanes)
     if chunk_size is None:
         return choose_chunk_size(counts, weights, upper=upper), upper
     if chunk_size > largest:
