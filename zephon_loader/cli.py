@@ -402,14 +402,7 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
         ValueError: ``row`` outside ``[0, micro_batch_size)``, an invalid
             configuration, or a stream without any batch.
     """
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError(
-            "inspect: matplotlib is not installed; it draws the batch. "
-            "Install it with: pip install 'zephon-loader[viz]'"
-        ) from error
-    matplotlib.use("Agg")  # files only: no display needed
+    use_matplotlib()
 
     from zephon_loader.builders import build_text_loader
     from zephon_loader.config import read_loader_config
@@ -433,6 +426,22 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
     ids = batch["document_ids"]
     title = f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract={settings.packed_mask_type}"
     return save_figure(draw_batch(batch, row, title, xdoc=settings.xdoc), out_png)
+
+
+def use_matplotlib() -> None:
+    """Select matplotlib's file-only backend (no display needed).
+
+    Raises:
+        ImportError: matplotlib is missing (the message names the ``viz`` extra).
+    """
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            "inspect: matplotlib is not installed; it draws the batch. "
+            "Install it with: pip install 'zephon-loader[viz]'"
+        ) from error
+    matplotlib.use("Agg")
 
 
 def save_figure(figure: Any, out_png: Path) -> Path:

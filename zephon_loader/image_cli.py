@@ -148,12 +148,9 @@ def inspect_images(config: str | Path, out_png: str | Path, row: int = 0) -> Pat
         ImportError: matplotlib is missing.
         ValueError: ``row`` outside ``[0, micro_batch_size)``, an invalid configuration, an empty stream.
     """
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError("inspect: matplotlib is not installed; install it with: pip install 'zephon-loader[viz]'") \
-            from error
-    matplotlib.use("Agg")
+    from zephon_loader.cli import save_figure, use_matplotlib
+
+    use_matplotlib()
 
     from zephon_loader.image_builder import build_image_loader
     from zephon_loader.config import read_loader_config
@@ -176,6 +173,4 @@ def inspect_images(config: str | Path, out_png: str | Path, row: int = 0) -> Pat
     ids = batch[F.DOCUMENT_IDS]
     title = (f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract={settings.packed_mask_type}, "
              f"images={int(batch[F.N_IMAGES_PER_SAMPLE].sum())}")
-    from zephon_loader.cli import save_figure
-
     return save_figure(draw_image_batch(batch, row, title, vision_ids=vision_ids, xdoc=settings.xdoc), out_png)
