@@ -11,4 +11,13 @@ def field_error(where: str, seen: Any, expected: str, fix: str) -> str:
     >>> field_error("chunk_size", 0, "a positive int", "Set chunk_size: null.")
     'chunk_size: got 0, expected a positive int. Set chunk_size: null.'
     """
-    return f"{where}: got {seen!r}, expected {expected}. {fix}"
+    return described_error(where, repr(seen), expected, fix)
+
+
+def described_error(where: str, seen: str, expected: str, fix: str) -> str:
+    """:func:`field_error` with what was seen already described (e.g. ``"3 rows"``, a tensor's dtype and shape).
+
+    >>> described_error("zephon_batch", "5 rows", "1 to micro_batch_size=4", "Batch by B.")
+    'zephon_batch: got 5 rows, expected 1 to micro_batch_size=4. Batch by B.'
+    """
+    return f"{where}: got {seen}, expected {expected}. {fix}"

@@ -42,16 +42,13 @@ import numpy as np
 import torch
 
 from zephon_loader import fields as F
+from zephon_loader.errors import described_error as _err
 from zephon_loader.source import ZephonKeys
 
 __all__ = ["PACKED_SAMPLES", "collate_images"]
 
 #: Zephon's ``pack_sequences`` envelope key: the ordered list of a row's record payloads.
 PACKED_SAMPLES = "packed_samples"
-
-
-def _err(where: str, seen: Any, expected: str, fix: str) -> str:
-    return f"{where}: got {seen}, expected {expected}. {fix}"
 
 
 def collate_images(
