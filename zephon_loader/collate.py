@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.errors import described_error as _err
 from zephon_loader.attention import padding_is_trailing
+from zephon_loader.errors import described_error as _err
 from zephon_loader.source import ZephonKeys as Z
 
 __all__ = ["collate", "document_ids_from_positions", "next_token_starts_document"]
