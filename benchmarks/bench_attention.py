@@ -36,7 +36,7 @@ from zephon_loader.backends import (  # noqa: E402
     postprocess_output_for_attn,
     preprocess_args_and_kwargs_for_attn,
 )
-from zephon_loader.finalize import block_causal_mask  # noqa: E402  (what the loader yields)
+from zephon_loader.finalize.final_map import block_causal_mask  # noqa: E402  (what the loader yields)
 
 
 def document_ids(rows: int, seq: int, docs: int, seed: int) -> torch.Tensor:

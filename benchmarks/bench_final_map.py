@@ -32,8 +32,8 @@ from timing import median_seconds
 from zephon import SampleBatch, SampleMeta, SampleRecord
 
 from zephon_loader import fields as F
-from zephon_loader.collate import collate
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
+from zephon_loader.collate.text import collate
+from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
 from zephon_loader.loader import FinalMap
 from zephon_loader.packing import PackingContract, build_packed_sequence_metadata
 

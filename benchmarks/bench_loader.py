@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.builders import build_text_loader
+from zephon_loader.build import build_text_loader
 from zephon_loader.config import read_loader_config
 from zephon_loader.config import default_config_path
-from zephon_loader.pipeline import build_pipeline
+from zephon_loader.pipeline.text import build_pipeline
 
 
 def _config(config_path: Path, runner: str | None) -> Any:

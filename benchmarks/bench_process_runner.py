@@ -71,7 +71,7 @@ def sigkill(config: dict, folder: Path) -> dict[str, float]:
 
 def stuck_close(data: Path, tokenizer: Path) -> float:
     """Seconds ``close()`` takes after a loop error while a transform worker sleeps in doc150 (one shard, in order)."""
-    from zephon_loader.source import ZephonSource
+    from zephon_loader.nodes.source import ZephonSource
 
     pipeline = zephon_pipeline({**loader_config(data, tokenizer), "shuffle": False}, transform=StallFrom(150))
     source = ZephonSource(pipeline)

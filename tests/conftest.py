@@ -86,7 +86,7 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike[str], *, vo
 
 def zephon_pipeline(config: Mapping[str, Any] | Any, *, work_dir: str | os.PathLike[str] | None = None,
                     **kwargs: Any) -> Any:
-    """The ``zephon.Pipeline`` :func:`zephon_loader.pipeline.build_pipeline` builds for loader-config keys.
+    """The ``zephon.Pipeline`` :func:`zephon_loader.pipeline.text.build_pipeline` builds for loader-config keys.
 
     Args:
         config: A ``TextLoaderConfig`` or its keys as plain values, e.g.
@@ -98,7 +98,7 @@ def zephon_pipeline(config: Mapping[str, Any] | Any, *, work_dir: str | os.PathL
     import tempfile
 
     from zephon_loader.config import TextLoaderConfig, text_loader_config
-    from zephon_loader.pipeline import build_pipeline
+    from zephon_loader.pipeline.text import build_pipeline
 
     cfg = config if isinstance(config, TextLoaderConfig) else text_loader_config(**config)
     work_dir = work_dir if work_dir is not None else tempfile.mkdtemp(prefix="zephon_loader_test_")

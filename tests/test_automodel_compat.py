@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from packed_batches import packed_batches
 from zephon_loader import fields as F
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
+from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
 from zephon_loader.packing import PackingContract, build_packed_sequence_metadata, contract_for_attention
 
 am_packing = pytest.importorskip(

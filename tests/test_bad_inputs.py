@@ -13,7 +13,7 @@ from zephon_loader.attention import (
     enable_xdoc_attention,
     require_supported_packing_contract,
 )
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
+from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
 from zephon_loader.packing import PackingContract, build_packed_sequence_metadata
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zephon_loader import cli
+from zephon_loader.cli import commands as cli
 from zephon_loader import fields as F
 
 REPO = Path(__file__).resolve().parents[1]
@@ -445,7 +445,7 @@ def test_zephon_packing_notices_are_summarized_once_in_the_report(capsys, monkey
     """Zephon's per-flush lines went to stderr one by one, through the progress bar; now counted and reported once."""
     import logging
 
-    from zephon_loader import builders
+    from zephon_loader import build as builders
 
     real_build = builders.build_text_loader
 
@@ -500,7 +500,7 @@ def test_help_and_version_import_neither_torch_nor_zephon(flag):
     """``zephon-loader --help`` took 7-13 s on a fresh machine: it imported torch first."""
     code = (
         "import sys\n"
-        "from zephon_loader.cli import main\n"
+        "from zephon_loader.cli.commands import main\n"
         "try:\n"
         f"    main([{flag!r}])\n"
         "except SystemExit:\n"

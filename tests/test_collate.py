@@ -11,8 +11,8 @@ from zephon import SampleBatch, SampleMeta, SampleRecord
 
 from conftest import zephon_pipeline
 from zephon_loader import fields as F
-from zephon_loader.collate import collate, document_ids_from_positions, next_token_starts_document
-from zephon_loader.source import ZephonKeys, ZephonSource
+from zephon_loader.collate.text import collate, document_ids_from_positions, next_token_starts_document
+from zephon_loader.nodes.source import ZephonKeys, ZephonSource
 
 L = 32
 B = 4

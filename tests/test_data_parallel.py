@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from zephon_loader import build_text_loader
-from zephon_loader.builders import data_parallel
+from zephon_loader.build import data_parallel
 from zephon_loader.config import text_loader_config
-from zephon_loader.pipeline import DataParallel
+from zephon_loader.pipeline.text import DataParallel
 
 
 def _config(jsonl_sources, tokenizer_dir, **overrides):

@@ -31,7 +31,7 @@ def _config(aggregate_dir: str, run_id: str) -> dict:
 def _rank(rank: int, aggregate_dir: str, out: str, phase: str) -> None:
     """One rank: 'first' iterates TAKEN batches, saves state (collective), then the rest; 'resume' reloads."""
     try:
-        from zephon_loader.builders import build_text_loader
+        from zephon_loader.build import build_text_loader
 
         if phase == "first":
             with build_text_loader(_config(aggregate_dir, "first"), dp_rank=rank, dp_world_size=WORLD) as loader:

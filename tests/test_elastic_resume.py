@@ -52,7 +52,7 @@ def _rank(task: dict) -> None:
     """One rank of one phase; writes ``{read_ahead: {...}}`` as JSON to ``task['out']``."""
     out = Path(task["out"])
     try:
-        from zephon_loader.builders import build_text_loader
+        from zephon_loader.build import build_text_loader
 
         results = {}
         for read_ahead in READ_AHEADS:
@@ -154,7 +154,7 @@ def test_lane_ownership_matches_zephons_own_mapping(dp, lanes, strategy):
     from zephon._internal.engine import Engine
     from zephon.options import RuntimeOptions
 
-    from zephon_loader.handoff import lane_mapping
+    from zephon_loader.nodes.handoff import lane_mapping
 
     for group in range(dp):
         options = RuntimeOptions(world_size=dp, global_rank=group, dp_degree=dp, dp_group_id=group,

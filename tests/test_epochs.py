@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zephon_loader import build_text_loader
-from zephon_loader.builders import epoch_seed
+from zephon_loader.build import epoch_seed
 
 
 def _config(jsonl_sources, tokenizer_dir, **overrides: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_metadata
 from zephon_loader import fields as F
-from zephon_loader.finalize import FinalizeSettings, finalize_batch, finalize_collated
+from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch, finalize_collated
 from zephon_loader.packing import PackingContract
 
 CONTRACTS = [
@@ -148,7 +148,7 @@ def test_worked_example_flash_varlen():
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
     eligibility = torch.ones(2, 8, dtype=torch.bool)
     eligibility[1, 2] = False
-    from zephon_loader.finalize import flash_varlen_kwargs
+    from zephon_loader.finalize.final_map import flash_varlen_kwargs
 
     kwargs = flash_varlen_kwargs(ids.masked_fill(~eligibility, 0))
     assert kwargs[F.CU_SEQ_LENS_Q].tolist() == [0, 3, 5, 8, 10, 11, 12, 16]
@@ -185,7 +185,7 @@ def test_hf_contract_yields_positions_transformers_segments_as_documents(batch, 
 def test_final_map_trusts_collate_and_finalize_batch_validates(monkeypatch):
     """Issue 11: each property is validated once between Zephon and the yield (by collate); the loader's
     final map does not check the batch again, while finalize_batch on a caller's batch still does."""
-    from zephon_loader import finalize
+    from zephon_loader.finalize import final_map as finalize
     from zephon_loader.loader import FinalMap
 
     calls = []

@@ -24,7 +24,7 @@ from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_p
 
 from conftest import collect  # noqa: E402
 from zephon_loader import fields as F  # noqa: E402
-from zephon_loader.builders import build_text_loader  # noqa: E402
+from zephon_loader.build import build_text_loader  # noqa: E402
 
 SEQUENCE_LENGTH, MICRO_BATCH = 48, 3
 ATOL = 1e-5

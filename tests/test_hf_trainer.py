@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import make_texts, write_jsonl_shards  # noqa: E402
 from zephon_loader import build_text_loader  # noqa: E402
-from zephon_loader.hf import STATE_FILE, TrainerBatches, ZephonTrainer  # noqa: E402
+from zephon_loader.integrations.hf import STATE_FILE, TrainerBatches, ZephonTrainer  # noqa: E402
 
 MAX_STEPS, ACCUMULATION, SAVE_STEPS = 8, 2, 3
 MICRO_BATCHES = MAX_STEPS * ACCUMULATION

@@ -1,4 +1,4 @@
-"""What ``zephon-loader run`` / ``inspect`` use for image-text configs (``zephon_loader.image_cli``)."""
+"""What ``zephon-loader run`` / ``inspect`` use for image-text configs (``zephon_loader.cli.image``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from conftest import collect
 from zephon_loader import ImageLoader, ZephonLoader
 from zephon_loader.config import default_config_path
-from zephon_loader.cli import build_from_yaml
-from zephon_loader.image_cli import image_counts, inspect_images, is_image_config, token_kinds
-from zephon_loader.image_config import default_image_config_path
+from zephon_loader.cli.commands import build_from_yaml
+from zephon_loader.cli.image import image_counts, inspect_images, is_image_config, token_kinds
+from zephon_loader.config.image import default_image_config_path
 
 ALIGNED = default_image_config_path().parent / "image_demo_aligned.yaml"
 
@@ -48,8 +48,7 @@ def test_the_cli_runs_and_inspects_image_configs(tmp_path, capsys):
     """``zephon-loader run`` / ``inspect`` on the bundled image demo: images counted, one-line errors."""
     import json
 
-    from zephon_loader import cli
-
+    from zephon_loader.cli import commands as cli
     report_path = tmp_path / "report.json"
     assert cli.main(["run", str(default_image_config_path()), "--steps", "3", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())

@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 
 from image_data import LAYOUTS, MARKER, PROCESSOR_DIR, draw_image, make_record, png, unpack
 from zephon_loader import fields as F
-from zephon_loader.finalize import FinalizeSettings, finalize_batch
-from zephon_loader.image_collate import PACKED_SAMPLES, collate_images
-from zephon_loader.image_records import ProcessImageRecords, RecordFormat
+from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
+from zephon_loader.collate.image import PACKED_SAMPLES, collate_images
+from zephon_loader.pipeline.image_records import ProcessImageRecords, RecordFormat
 from zephon_loader.packing import PackingContract
 from zephon_loader.processors import Qwen2VLRecordProcessor
-from zephon_loader.records import DropLog, ShardTable, SourceShards
-from zephon_loader.source import ZephonKeys
+from zephon_loader.pipeline.records import DropLog, ShardTable, SourceShards
+from zephon_loader.nodes.source import ZephonKeys
 
 @pytest.fixture(scope="module")
 def processors() -> dict:

@@ -28,7 +28,7 @@ from image_data import (
 )
 from zephon_loader import ImageLoader, ZephonLoader, build_image_loader
 from zephon_loader import fields as F
-from zephon_loader.image_config import default_image_config_path
+from zephon_loader.config.image import default_image_config_path
 from zephon_loader.processors import ImageTextRecord, Qwen2VLRecordProcessor
 
 COUNT = 24  # records per source: both sources are read exactly once per pass (weights 1:1)

@@ -21,7 +21,7 @@ from image_data import LAYOUTS, MARKER, PROCESSOR_DIR, image_config, make_record
 from image_data import write_jsonl_images
 from zephon_loader import build_image_loader
 from zephon_loader import fields as F
-from zephon_loader.finalize import block_causal_mask
+from zephon_loader.finalize.final_map import block_causal_mask
 from zephon_loader.processors import ImageTextRecord, Qwen2VLRecordProcessor
 
 

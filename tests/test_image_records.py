@@ -17,7 +17,7 @@ from conftest import collect
 from image_data import MARKER, draw_image, image_config, png, write_jsonl_images, write_parquet_images
 from zephon_loader import build_image_loader
 from zephon_loader.processors import ProcessedRecord, Qwen2VLRecordProcessor
-from zephon_loader.records import BadRecordError
+from zephon_loader.pipeline.records import BadRecordError
 from image_data import PROCESSOR_DIR
 
 
@@ -119,7 +119,7 @@ def test_oversized_records_drop_counted_or_error(tmp_path, caplog):
     rng = random.Random(2)
     records = good_records(6) + [(f"big {MARKER}", [draw_image(rng, low=200, high=220)])]  # 25 image tokens: 37 in all
     folder = write_jsonl_images(tmp_path / "src", records, shards=1)
-    with caplog.at_level("WARNING", logger="zephon_loader.records"):
+    with caplog.at_level("WARNING", logger="zephon_loader.pipeline.records"):
         batches, stats = run(folder, sequence_length=32, shuffle=False)
     entry = stats["dropped"]["longer_than_row"]
     assert entry["documents"] == 1 and entry["tokens"] > 32

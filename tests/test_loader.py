@@ -13,7 +13,7 @@ import yaml
 
 from conftest import collect, zephon_pipeline
 from zephon_loader import fields as F
-from zephon_loader.builders import build_text_loader
+from zephon_loader.build import build_text_loader
 
 CONTRACTS = {
     "document_ids": {"packed_mask_type": "document_ids"},
@@ -271,7 +271,7 @@ def test_yaml_path_and_relative_paths(sources, tokenizer_dir, tmp_path):
 
 
 def test_bundled_default_runs_from_package_data():
-    from zephon_loader.cli import build_from_yaml
+    from zephon_loader.cli.commands import build_from_yaml
     from zephon_loader.config import default_config_path
 
     with build_from_yaml(default_config_path()) as loader:

@@ -181,7 +181,7 @@ def test_contract_is_validated_once_on_the_way_to_the_loader(monkeypatch, jsonl_
     from types import SimpleNamespace
 
     from zephon_loader import packing
-    from zephon_loader.builders import build_text_loader
+    from zephon_loader.build import build_text_loader
 
     calls = []
     check = packing._check_contract

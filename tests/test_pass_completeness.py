@@ -259,7 +259,7 @@ def passes_are_whole(drawn: list[tuple], count: int) -> bool:
 
 @pytest.mark.parametrize("mixture", list(MIXTURES))
 def test_accepted_chunk_sizes_read_every_pass_whole_in_zephon(corpora, mixture):
-    from zephon_loader.work_source import _largest_servable_chunk_size, _shares, _whole_passes, choose_chunk_size
+    from zephon_loader.pipeline.work_source import _largest_servable_chunk_size, _shares, _whole_passes, choose_chunk_size
 
     counts, weights = MIXTURES[mixture]
     shares = _shares(weights)
@@ -279,7 +279,7 @@ def test_accepted_chunk_sizes_read_every_pass_whole_in_zephon(corpora, mixture):
 
 
 def test_choose_chunk_size():
-    from zephon_loader.work_source import DEFAULT_CHUNK_SIZE, choose_chunk_size
+    from zephon_loader.pipeline.work_source import DEFAULT_CHUNK_SIZE, choose_chunk_size
 
     assert choose_chunk_size([150, 70], [1.0, 1.0]) == 20  # 10 of each per chunk; 10 divides 150 and 70
     assert choose_chunk_size([150, 70], [1.0, 1.0], upper=19) == 10
@@ -319,8 +319,8 @@ def test_small_chunks_keep_rows_packed(corpora):
 def test_flushes_inside_a_pass_lose_nothing(corpora, algorithm):
     """Zephon flushes packing and batching every ``flush_every_k_chunks`` chunks: the partial row and the
     short batch each flush leaves are delivered (the batch padded to B rows by collate)."""
-    from zephon_loader.collate import collate
-    from zephon_loader.source import ZephonSource
+    from zephon_loader.collate.text import collate
+    from zephon_loader.nodes.source import ZephonSource
 
     counts, weights = MIXTURES["two_1:1"]
     pipeline = zephon_pipeline(config(corpora["two_1:1"], weights, algorithm, True, chunk_size=4, seed=5))
@@ -360,7 +360,7 @@ def short_batch(rows: int, padding_rows: int = 0) -> Any:
 
 
 def test_collate_completes_a_short_batch_with_padding_rows():
-    from zephon_loader.collate import collate
+    from zephon_loader.collate.text import collate
 
     batch = short_batch(2)
     plain = collate(batch, mask_cross_document_labels=True, physical_cu_seqlens=True)
@@ -396,7 +396,7 @@ def test_mixture_once_reads_every_record_exactly_once_across_lanes(corpora, mixt
     """``mixture: once`` (validation, exact epochs): the work source the builder makes, dealt to every lane,
     draws each record of each source exactly once, whatever the weights (the smaller sources do not repeat)."""
     from zephon_loader.config import text_loader_config
-    from zephon_loader.work_source import build_work_source
+    from zephon_loader.pipeline.work_source import build_work_source
 
     counts, weights = MIXTURES[mixture]
     config = text_loader_config(
@@ -420,7 +420,7 @@ def test_passes_reads_every_record_that_many_times(corpora, lanes):
     from collections import Counter
 
     from zephon_loader.config import text_loader_config
-    from zephon_loader.work_source import build_work_source
+    from zephon_loader.pipeline.work_source import build_work_source
 
     config = text_loader_config(
         sources=[{"name": "s0", "path": str(corpora["one"][0])}], sequence_length=8, micro_batch_size=1,

@@ -1,4 +1,4 @@
-"""Zephon's ``process`` runner shuts down with the loader (``zephon_loader.workers``).
+"""Zephon's ``process`` runner shuts down with the loader (``zephon_loader.nodes.workers``).
 
 * A SIGKILLed trainer leaves no worker behind (they used to live on forever).
 * Ctrl-C (SIGINT to the process group): the workers ignore it, the
@@ -77,7 +77,7 @@ def test_ctrl_c_reaches_the_loop_and_close_ends_every_worker(text_dir: Path, tok
 
 
 def test_close_after_a_loop_error_with_a_stuck_worker(tmp_path: Path, corpus_texts: list[str], tokenizer_dir: Path) -> None:
-    from zephon_loader.source import ZephonSource
+    from zephon_loader.nodes.source import ZephonSource
 
     # One shard, no shuffle: records reach the transform in order, in Zephon's fetch
     # microbatches of 64, so doc150 (third microbatch) stalls after the first batches.
@@ -118,7 +118,7 @@ def test_close_after_a_loop_error_with_a_stuck_worker(tmp_path: Path, corpus_tex
 
 
 def test_cancel_unblocks_a_reader_waiting_in_zephon(text_dir: Path, tokenizer_dir: Path) -> None:
-    from zephon_loader.source import ZephonSource
+    from zephon_loader.nodes.source import ZephonSource
 
     pipeline = zephon_pipeline(
         {"sources": [{"name": "web", "path": str(text_dir)}], "sequence_length": 32, "micro_batch_size": 2,
@@ -159,7 +159,7 @@ def test_bad_record_error_reaches_the_loop_and_close_leaves_no_worker(
     tmp_path: Path, corpus_texts: list[str], tokenizer_dir: Path
 ) -> None:
     from zephon_loader import build_text_loader
-    from zephon_loader.records import BadRecordError
+    from zephon_loader.pipeline.records import BadRecordError
 
     records: list[dict[str, Any]] = [{"text": t} for t in corpus_texts[:60]]
     records[30] = {"text": 42}
@@ -185,7 +185,7 @@ def _ignores_sigint(pid: int) -> bool:
 
 
 def test_contained_workers_ignore_sigint_and_die_after_the_grace_period() -> None:
-    from zephon_loader.workers import WorkerContext
+    from zephon_loader.nodes.workers import WorkerContext
 
     context = WorkerContext("forkserver", grace_s=0.2)
     process = context.Process(target=time.sleep, args=(120.0,), daemon=True)
@@ -212,7 +212,7 @@ def test_contained_workers_ignore_sigint_and_die_after_the_grace_period() -> Non
 
 
 def test_fork_server_workers_get_the_environment_of_their_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zephon_loader.workers import WorkerContext
+    from zephon_loader.nodes.workers import WorkerContext
 
     context = WorkerContext("forkserver")
     name = "ZEPHON_LOADER_TEST_PROBE"
@@ -225,8 +225,8 @@ def test_fork_server_workers_get_the_environment_of_their_start(monkeypatch: pyt
 
 
 def test_pipelines_get_a_contained_fork_server_context(text_dir: Path, tokenizer_dir: Path) -> None:
-    from zephon_loader.source import ZephonSource
-    from zephon_loader.workers import WorkerContext
+    from zephon_loader.nodes.source import ZephonSource
+    from zephon_loader.nodes.workers import WorkerContext
 
     def pipeline(**runtime: Any) -> Any:
         return zephon_pipeline(

@@ -1,4 +1,4 @@
-"""zephon_loader.pipeline / zephon_loader.source: pipeline construction, refusals, the torchdata node, resume."""
+"""zephon_loader.pipeline.text / zephon_loader.source: pipeline construction, refusals, the torchdata node, resume."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from torchdata.nodes import Loader
 from conftest import zephon_pipeline
 from zephon_loader import fields as F
 from zephon_loader.config import text_loader_config
-from zephon_loader.pipeline import DataParallel
-from zephon_loader.source import ZephonKeys, ZephonSource
-from zephon_loader.work_source import choose_chunk_size
+from zephon_loader.pipeline.text import DataParallel
+from zephon_loader.nodes.source import ZephonKeys, ZephonSource
+from zephon_loader.pipeline.work_source import choose_chunk_size
 
 L = 32
 B = 4

@@ -28,7 +28,7 @@ import torch
 
 from conftest import collect
 from zephon_loader import fields as F
-from zephon_loader.builders import build_text_loader
+from zephon_loader.build import build_text_loader
 
 
 @pytest.fixture(scope="module")

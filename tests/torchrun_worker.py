@@ -17,7 +17,7 @@ import torch.distributed as dist
 import yaml
 
 from zephon_loader import fields as F
-from zephon_loader.builders import build_text_loader
+from zephon_loader.build import build_text_loader
 from zephon_loader.config import default_config_path
 
 

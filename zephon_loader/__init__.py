@@ -21,35 +21,35 @@ _EXPORTS: dict[str, str] = {
     "instantiate": "zephon_loader.config",
     "load_yaml": "zephon_loader.config",
     "read_loader_config": "zephon_loader.config",
-    "build_text_loader": "zephon_loader.builders",
-    "ZephonDataloaderConfig": "zephon_loader.recipe",
+    "build_text_loader": "zephon_loader.build",
+    "ZephonDataloaderConfig": "zephon_loader.integrations.recipe",
     # Zephon source
-    "build_pipeline": "zephon_loader.pipeline",
-    "ZephonSource": "zephon_loader.source",
+    "build_pipeline": "zephon_loader.pipeline.text",
+    "ZephonSource": "zephon_loader.nodes.source",
     # final map and yield
     "TrainingBatch": "zephon_loader.attention",
     "adapt_model_inputs": "zephon_loader.attention",
     "enable_xdoc_attention": "zephon_loader.attention",
     "require_supported_packing_contract": "zephon_loader.attention",
-    "FinalizeSettings": "zephon_loader.finalize",
-    "finalize_batch": "zephon_loader.finalize",
+    "FinalizeSettings": "zephon_loader.finalize.final_map",
+    "finalize_batch": "zephon_loader.finalize.final_map",
     "DEFAULT_PACKED_SEQUENCE_CONTRACT": "zephon_loader.packing",
     "PackedSequenceContract": "zephon_loader.packing",
     "PackingContract": "zephon_loader.packing",
     "build_packed_sequence_metadata": "zephon_loader.packing",
     "contract_for_attention": "zephon_loader.packing",
     "flatten_packed_sequence_metadata": "zephon_loader.packing",
-    "ReadAhead": "zephon_loader.readahead",
+    "ReadAhead": "zephon_loader.nodes.readahead",
     "ZephonLoader": "zephon_loader.loader",
     # attention backends
     "initialize_attn_module_and_func": "zephon_loader.backends",
     "postprocess_output_for_attn": "zephon_loader.backends",
     "preprocess_args_and_kwargs_for_attn": "zephon_loader.backends",
     # image-text loader
-    "ImageLoader": "zephon_loader.image_builder",
-    "build_image_loader": "zephon_loader.image_builder",
-    "ImageLoaderConfig": "zephon_loader.image_config",
-    "ZephonVLMDataloaderConfig": "zephon_loader.image_recipe",
+    "ImageLoader": "zephon_loader.build_image",
+    "build_image_loader": "zephon_loader.build_image",
+    "ImageLoaderConfig": "zephon_loader.config.image",
+    "ZephonVLMDataloaderConfig": "zephon_loader.integrations.image_recipe",
     "ImageTextRecord": "zephon_loader.processors",
     "ProcessedRecord": "zephon_loader.processors",
     "Qwen2VLRecordProcessor": "zephon_loader.processors",
@@ -83,12 +83,12 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         postprocess_output_for_attn,
         preprocess_args_and_kwargs_for_attn,
     )
-    from zephon_loader.builders import build_text_loader
+    from zephon_loader.build import build_text_loader
     from zephon_loader.config import TextLoaderConfig, instantiate, load_yaml, read_loader_config
-    from zephon_loader.finalize import FinalizeSettings, finalize_batch
-    from zephon_loader.image_builder import ImageLoader, build_image_loader
-    from zephon_loader.image_config import ImageLoaderConfig
-    from zephon_loader.image_recipe import ZephonVLMDataloaderConfig
+    from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
+    from zephon_loader.build_image import ImageLoader, build_image_loader
+    from zephon_loader.config.image import ImageLoaderConfig
+    from zephon_loader.integrations.image_recipe import ZephonVLMDataloaderConfig
     from zephon_loader.loader import ZephonLoader
     from zephon_loader.packing import (
         DEFAULT_PACKED_SEQUENCE_CONTRACT,
@@ -98,8 +98,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         contract_for_attention,
         flatten_packed_sequence_metadata,
     )
-    from zephon_loader.pipeline import build_pipeline
+    from zephon_loader.pipeline.text import build_pipeline
     from zephon_loader.processors import ImageTextRecord, ProcessedRecord, Qwen2VLRecordProcessor
-    from zephon_loader.readahead import ReadAhead
-    from zephon_loader.recipe import ZephonDataloaderConfig
-    from zephon_loader.source import ZephonSource
+    from zephon_loader.nodes.readahead import ReadAhead
+    from zephon_loader.integrations.recipe import ZephonDataloaderConfig
+    from zephon_loader.nodes.source import ZephonSource

@@ -152,7 +152,7 @@ def check_training_batch(
     ``collate`` guarantees these for the batches it builds; call this on any
     other batch (a user's, one decoded from a saved state) before the bare
     transforms (:func:`attention_document_ids`, :func:`join_subdocuments`,
-    :func:`zephon_loader.finalize.finalize_collated`).
+    :func:`zephon_loader.finalize.final_map.finalize_collated`).
 
     Args:
         batch: int64 ``input_ids``/``labels`` ``[B, S]``, bool ``padding_mask``
@@ -342,7 +342,7 @@ def require_supported_packing_contract(
     """Validate the model's packed interface once, at loader construction.
 
     Builders call this before any Zephon source or worker starts (through
-    :meth:`zephon_loader.finalize.FinalizeSettings.from_contract`); the
+    :meth:`zephon_loader.finalize.final_map.FinalizeSettings.from_contract`); the
     contract is fixed for the loader's life and never rechecked per batch.
 
     Args:

@@ -98,7 +98,7 @@ THD_SENTINEL: Final = -1000
 #: Label value ignored by the loss (torch ``cross_entropy``'s default ``ignore_index``).
 IGNORE_INDEX: Final = -100
 
-# --- image-text batches (Hugging Face's Qwen2-VL layout; zephon_loader.image_collate) ---
+# --- image-text batches (Hugging Face's Qwen2-VL layout; zephon_loader.collate.image) ---
 #: float32 ``[patches, patch_dim]``: every image's patch rows, in row order then position order.
 PIXEL_VALUES: Final = "pixel_values"
 #: int64 ``[images, 3]``: ``(t, h, w)`` patch grid of each image, same order as ``pixel_values``.

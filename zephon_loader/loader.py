@@ -6,15 +6,15 @@ The ``torchdata.nodes`` graph, one direction::
 
 * ``ZephonSource``: Zephon's ``SampleBatch`` es; state = ``pipeline.checkpoint()``,
   taken only in ``state_dict()``.
-* :class:`~zephon_loader.readahead.ReadAhead`: ``collate``
+* :class:`~zephon_loader.nodes.readahead.ReadAhead`: ``collate``
   (``SampleBatch.to_training`` + document ids), then the final map
-  (:func:`~zephon_loader.finalize.finalize_collated`, then the recipe's
+  (:func:`~zephon_loader.finalize.final_map.finalize_collated`, then the recipe's
   ``collate_wrapper``) and pinning when CUDA is available; ``read_ahead``
   batches ahead in a background thread, or inline when ``read_ahead`` is 0.
 * The state is the loader's own, the same whatever ``read_ahead`` is:
   ``{"format", "fingerprint", "zephon_checkpoint", "buffered"}`` (see
   :meth:`ZephonLoader.state_dict`); batches are re-routed by lane on an
-  elastic resume (:mod:`zephon_loader.handoff`).
+  elastic resume (:mod:`zephon_loader.nodes.handoff`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from zephon_loader import fields as F
 from zephon_loader.attention import check_training_batch
-from zephon_loader.finalize import FinalizeSettings, finalize_collated
-from zephon_loader.handoff import LaneHandoff
-from zephon_loader.readahead import ReadAhead, decode_batch
-from zephon_loader.source import ZephonSource
+from zephon_loader.finalize.final_map import FinalizeSettings, finalize_collated
+from zephon_loader.nodes.handoff import LaneHandoff
+from zephon_loader.nodes.readahead import ReadAhead, decode_batch
+from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.stats import LoaderStats
 
 #: Version tag of :meth:`ZephonLoader.state_dict`; bumped on incompatible changes.
@@ -50,12 +50,12 @@ class FinalMap:
     """The final map stage as a picklable callable: finalize, then the recipe's wrapper, then pinning.
 
     It receives what the loader's collate function built and trusts what
-    :func:`~zephon_loader.collate.collate` guarantees
-    (:func:`~zephon_loader.finalize.finalize_collated`): each property is
+    :func:`~zephon_loader.collate.text.collate` guarantees
+    (:func:`~zephon_loader.finalize.final_map.finalize_collated`): each property is
     validated once between Zephon and the yield, by collate. A batch from
     anywhere else must be checked first
     (:func:`~zephon_loader.attention.check_training_batch`, or use
-    :func:`~zephon_loader.finalize.finalize_batch`).
+    :func:`~zephon_loader.finalize.final_map.finalize_batch`).
 
     Args:
         settings: Fixed per loader.
@@ -89,7 +89,7 @@ def _identity(batch: Any) -> Any:
 class ZephonLoader(StatefulDataLoader):
     """Iterate packed, finalized batches; save and restore the exact position.
 
-    Built by :func:`~zephon_loader.builders.build_text_loader` (or the AutoModel
+    Built by :func:`~zephon_loader.build.build_text_loader` (or the AutoModel
     config's ``build``). Drop-in for a ``StatefulDataLoader`` slot:
 
     * ``for batch in loader``: dicts of CPU tensors (pinned when CUDA is

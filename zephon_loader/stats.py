@@ -6,7 +6,7 @@
   ``component_token_counts``), when a batch reaches the training loop: batches
   read ahead but not yet yielded are not counted, and the counts travel in the
   loader's state, so a resumed run continues them exactly.
-* **Dropped** records come from the :class:`~zephon_loader.records.DropLog`
+* **Dropped** records come from the :class:`~zephon_loader.pipeline.records.DropLog`
   the record checks append to (skipped bad records by reason; records longer
   than a row under ``first_fit``/``best_fit``). Each is keyed by its position in
   the stream (Zephon's cursor), so a record read again (after a resume, or in
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zephon_loader import fields as F
-from zephon_loader.records import LONGER_THAN_ROW, REASONS, DropLog
+from zephon_loader.pipeline.records import LONGER_THAN_ROW, REASONS, DropLog
 
 __all__ = ["CountingCollate", "LoaderStats", "batch_source_counts"]
 

@@ -22,7 +22,7 @@ once, under the ``zephon_loader`` logger, by :meth:`ZephonLogSummary.report`
 
 The loader's own pipelines do not produce these records (``wrap`` runs capped,
 so Zephon pads the tail row instead of dropping it, and records longer than a
-row are dropped and counted by :mod:`zephon_loader.records` before packing);
+row are dropped and counted by :mod:`zephon_loader.pipeline.records` before packing);
 they come from pipelines built on Zephon directly (e.g. the baseline of
 ``benchmarks/bench_loader.py``). The filter sees records logged in this
 process only: under Zephon's process runner, operators running in worker

@@ -15,14 +15,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
-from zephon_loader.collate import collate
+from zephon_loader.collate.text import collate
 from zephon_loader.config import TextLoaderConfig, read_loader_config
-from zephon_loader.finalize import FinalizeSettings
+from zephon_loader.finalize.final_map import FinalizeSettings
 from zephon_loader.fingerprint import shard_list_fingerprint, tokenizer_fingerprint
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import PackingContract, validate_packing_contract
-from zephon_loader.pipeline import BuiltPipeline, DataParallel, build_pipeline
-from zephon_loader.source import ZephonSource
+from zephon_loader.pipeline.text import BuiltPipeline, DataParallel, build_pipeline
+from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.stats import CountingCollate, LoaderStats
 
 

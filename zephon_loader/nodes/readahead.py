@@ -12,7 +12,7 @@ needs the batches pulled but not yet delivered inside the state. They are kept
 *collated* (before the final map, which is re-applied on resume) and *tagged
 with their Zephon lane* (``SampleBatch.lane_ids``; Zephon batches within one
 lane), so that after an elastic resume each batch can go to whichever rank owns
-its lane now (see :mod:`zephon_loader.handoff`):
+its lane now (see :mod:`zephon_loader.nodes.handoff`):
 
 ``state = {"source": <ZephonSource state>, "buffered": [{"lane": int, "batch": <encode_batch>}, ...]}``
 
@@ -132,7 +132,7 @@ class ReadAhead(BaseNode):
 
     Args:
         source: A node yielding Zephon ``SampleBatch`` es, one lane each
-            (:class:`~zephon_loader.source.ZephonSource`).
+            (:class:`~zephon_loader.nodes.source.ZephonSource`).
         depth: Batches prepared ahead in one background thread (``>= 1``), or
             ``0``: pull, collate and transform inline in the consumer's thread.
         collate: ``SampleBatch -> mapping of tensors`` (what the state stores);

@@ -20,7 +20,7 @@ A record longer than a row cannot be packed whole (images are never split):
 ``oversized: drop`` drops it and counts it (``longer_than_row`` in
 ``loader.stats()``, logged once with its location), ``oversized: error`` stops
 the stream naming it. Bad records follow ``on_bad_record`` (``error``: stop
-with a :class:`~zephon_loader.records.BadRecordError`; ``skip``: leave out,
+with a :class:`~zephon_loader.pipeline.records.BadRecordError`; ``skip``: leave out,
 count by reason). A processor that returns malformed output is a bug, not a bad
 record: ``TypeError``/``ValueError`` naming the processor, the field and the record.
 """
@@ -38,7 +38,7 @@ import numpy as np
 from zephon_loader import fields as F
 from zephon_loader.processors.base import ImageTextRecord, ProcessedRecord, check_processed
 from zephon_loader.processors.rope import qwen2_vl_positions
-from zephon_loader.records import (
+from zephon_loader.pipeline.records import (
     BAD_RECORD_POLICIES,
     LONGER_THAN_ROW,
     DropLog,
@@ -48,7 +48,7 @@ from zephon_loader.records import (
     check_records,
     refuse_or_log_drop,
 )
-from zephon_loader.source import ZephonKeys
+from zephon_loader.nodes.source import ZephonKeys
 
 __all__ = ["IMAGE_REASONS", "OVERSIZED_POLICIES", "PAYLOAD_FIELDS", "ProcessImageRecords", "RecordFormat"]
 

@@ -80,7 +80,7 @@ def _attention_ids(batch: dict[str, Any]) -> torch.Tensor | None:
 
 def _no_batch_error(config: Path, dropped: dict[str, Any]) -> ValueError:
     """Why a loader yielded nothing, and the fix for each reason its records were dropped for."""
-    from zephon_loader.records import LONGER_THAN_ROW
+    from zephon_loader.pipeline.records import LONGER_THAN_ROW
 
     counts = "; ".join(f"{reason}: {e['documents']:,} (first at {e['first']})" for reason, e in dropped.items())
     fixes = []
@@ -100,14 +100,14 @@ def _no_batch_error(config: Path, dropped: dict[str, Any]) -> ValueError:
 def _reader_and_builder(config: Path) -> tuple[Any, Callable[[Any], Any]]:
     """The config a YAML file holds and the builder for it: the image-text loader's, or the text loader's."""
     from zephon_loader.config import read_loader_config
-    from zephon_loader.image_cli import is_image_config
+    from zephon_loader.cli.image import is_image_config
 
     if is_image_config(config):
-        from zephon_loader.image_builder import build_image_loader
-        from zephon_loader.image_config import ImageLoaderConfig
+        from zephon_loader.build_image import build_image_loader
+        from zephon_loader.config.image import ImageLoaderConfig
 
         return read_loader_config(config, ImageLoaderConfig), build_image_loader
-    from zephon_loader.builders import build_text_loader
+    from zephon_loader.build import build_text_loader
 
     return read_loader_config(config), build_text_loader
 
@@ -115,7 +115,7 @@ def _reader_and_builder(config: Path) -> tuple[Any, Callable[[Any], Any]]:
 def _hints(config: Any, dropped: dict[str, Any]) -> list[str]:
     """Advice the report prints after the drops."""
     from zephon_loader.config import TextLoaderConfig
-    from zephon_loader.records import LONGER_THAN_ROW
+    from zephon_loader.pipeline.records import LONGER_THAN_ROW
 
     if LONGER_THAN_ROW not in dropped or not isinstance(config, TextLoaderConfig):
         return []  # image-text records are never split: packing.oversized says what happens to long ones
@@ -176,7 +176,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     from tqdm import tqdm
 
     from zephon_loader import fields as F
-    from zephon_loader.image_cli import image_counts
+    from zephon_loader.cli.image import image_counts
 
     out = sys.stdout if out is None else out  # looked up per call, so redirect_stdout/capture work
 
@@ -353,7 +353,7 @@ def draw_batch(batch: dict[str, Any], row: int, title: str, *, xdoc: bool) -> An
     from matplotlib.patches import Patch
 
     from zephon_loader import fields as F
-    from zephon_loader.finalize import block_causal_mask
+    from zephon_loader.finalize.final_map import block_causal_mask
 
     ids = batch[F.DOCUMENT_IDS]
     attention_ids = batch[F.ATTENTION_DOCUMENT_IDS]
@@ -404,9 +404,9 @@ def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
     """
     use_matplotlib()
 
-    from zephon_loader.builders import build_text_loader
+    from zephon_loader.build import build_text_loader
     from zephon_loader.config import read_loader_config
-    from zephon_loader.image_cli import inspect_images, is_image_config
+    from zephon_loader.cli.image import inspect_images, is_image_config
     from zephon_loader.zephon_logs import summarize_zephon_logs
 
     if is_image_config(config):  # image spans, fillers, padding and the three position axes

@@ -8,7 +8,7 @@ data before every check passed.
 
 The loader is a :class:`~zephon_loader.loader.ZephonLoader` (exact resume with
 read-ahead, ``close()``, per-DP-rank lanes, epochs) whose collate is
-:func:`~zephon_loader.image_collate.collate_images`; it exposes the processor
+:func:`~zephon_loader.collate.image.collate_images`; it exposes the processor
 it used as :attr:`ImageLoader.processor`.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
 from zephon_loader import fields as F
-from zephon_loader.builders import (
+from zephon_loader.build import (
     data_parallel,
     epoch_run_id_suffix,
     epoch_seed,
@@ -30,19 +30,19 @@ from zephon_loader.builders import (
     stream_fingerprint,
 )
 from zephon_loader.config import instantiate, read_loader_config
-from zephon_loader.finalize import FinalizeSettings
-from zephon_loader.image_collate import collate_images
-from zephon_loader.image_config import (
+from zephon_loader.finalize.final_map import FinalizeSettings
+from zephon_loader.collate.image import collate_images
+from zephon_loader.config.image import (
     ImageLoaderConfig,
     ProcessorConfig,
     ProcessorTarget,
 )
-from zephon_loader.image_records import IMAGE_REASONS
-from zephon_loader.image_source import build_image_pipeline
+from zephon_loader.pipeline.image_records import IMAGE_REASONS
+from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import validate_packing_contract
-from zephon_loader.records import LONGER_THAN_ROW
-from zephon_loader.source import ZephonSource
+from zephon_loader.pipeline.records import LONGER_THAN_ROW
+from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.stats import CountingCollate, LoaderStats
 
 __all__ = ["ImageLoader", "build_image_loader", "resolve_processor"]
@@ -87,7 +87,7 @@ def build_image_loader(
     """Build an :class:`ImageLoader` over JSONL (image paths) or Parquet (image bytes) image-text shards.
 
     Args:
-        config: An :class:`~zephon_loader.image_config.ImageLoaderConfig`, its
+        config: An :class:`~zephon_loader.config.image.ImageLoaderConfig`, its
             YAML mapping, or a YAML path (its ``dataloader`` section).
         packing_contract: The model's contract; ``None`` uses the YAML's
             ``contract`` (default: block-causal, no metadata).

@@ -24,10 +24,10 @@ from typing import Any
 
 from zephon_loader.config import TextLoaderConfig
 from zephon_loader.errors import field_error as _err
-from zephon_loader.records import CheckRawRecords, CheckTokens, DropLog, ShardTable
-from zephon_loader.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
+from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens, DropLog, ShardTable
+from zephon_loader.nodes.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
-from zephon_loader.work_source import WorkSource, build_work_source, lane_options
+from zephon_loader.pipeline.work_source import WorkSource, build_work_source, lane_options
 
 __all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "BuiltPipeline", "DataParallel", "build_pipeline", "runtime_options"]
 
@@ -233,7 +233,7 @@ def _tokenize(
 def _check_tokens(
     pipeline: Any, config: TextLoaderConfig, tokenizer: Any, loss_mask_field: str | None, checks: dict[str, Any]
 ) -> Any:
-    """Per-record token checks (vocabulary, empty, aligned fields, lengths); see :mod:`zephon_loader.records`."""
+    """Per-record token checks (vocabulary, empty, aligned fields, lengths); see :mod:`zephon_loader.pipeline.records`."""
     tok = config.tokenizer
     check = CheckTokens(
         tokens_field=tok.pretokenized_field or ZEPHON_TOKENS_KEY,

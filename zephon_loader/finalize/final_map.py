@@ -295,7 +295,7 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
 
     Args:
         batch: A :class:`~zephon_loader.attention.TrainingBatch` from
-            :func:`zephon_loader.collate.collate`. Not modified.
+            :func:`zephon_loader.collate.text.collate`. Not modified.
         settings: Fixed per loader (:meth:`FinalizeSettings.from_contract`).
 
     Returns:

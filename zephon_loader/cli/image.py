@@ -1,4 +1,4 @@
-"""What ``zephon-loader run`` / ``inspect`` need for image-text configs (the CLI in :mod:`zephon_loader.cli` dispatches here).
+"""What ``zephon-loader run`` / ``inspect`` need for image-text configs (the CLI in :mod:`zephon_loader.cli.commands` dispatches here).
 
 * :func:`is_image_config`: whether a YAML (or mapping) describes an image-text loader.
 * :func:`image_counts`: images and image tokens of one yielded batch (for the run report's images/s).
@@ -37,11 +37,11 @@ TOKEN_KINDS = (
 def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
     """Whether ``config`` (a YAML path or a ``dataloader`` mapping) is an image-text loader config.
 
-    True when its ``_target_`` names :class:`~zephon_loader.image_config.ImageLoaderConfig`
+    True when its ``_target_`` names :class:`~zephon_loader.config.image.ImageLoaderConfig`
     (or a subclass, like ``ZephonVLMDataloaderConfig``), or it has ``processor`` or ``records``.
     """
     from zephon_loader.config import LOADER_SECTION, load_yaml, resolve_target
-    from zephon_loader.image_config import ImageLoaderConfig
+    from zephon_loader.config.image import ImageLoaderConfig
 
     node = load_yaml(Path(config)).get(LOADER_SECTION) if isinstance(config, (str, Path)) else config
     if not isinstance(node, Mapping):
@@ -97,8 +97,8 @@ def draw_image_batch(batch: Mapping[str, Any], row: int, title: str, *, vision_i
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    from zephon_loader.cli import id_colours
-    from zephon_loader.finalize import block_causal_mask
+    from zephon_loader.cli.commands import id_colours
+    from zephon_loader.finalize.final_map import block_causal_mask
 
     padding = batch[F.PADDING_MASK]
     kinds = token_kinds(batch, vision_ids)
@@ -148,13 +148,13 @@ def inspect_images(config: str | Path, out_png: str | Path, row: int = 0) -> Pat
         ImportError: matplotlib is missing.
         ValueError: ``row`` outside ``[0, micro_batch_size)``, an invalid configuration, an empty stream.
     """
-    from zephon_loader.cli import save_figure, use_matplotlib
+    from zephon_loader.cli.commands import save_figure, use_matplotlib
 
     use_matplotlib()
 
-    from zephon_loader.image_builder import build_image_loader
+    from zephon_loader.build_image import build_image_loader
     from zephon_loader.config import read_loader_config
-    from zephon_loader.image_config import ImageLoaderConfig
+    from zephon_loader.config.image import ImageLoaderConfig
 
     config, out_png = Path(config), Path(out_png)
     cfg = read_loader_config(config, ImageLoaderConfig)

@@ -16,7 +16,7 @@ and keeps ``.dataloader`` (iterated; its state saved per DP rank) and
       sources: [{name: captions, path: /data/captions}]
       processor: {path: /models/qwen2-vl-processor}    # or omit: the model folder
       sequence_length: 4096
-      ...              # every key of zephon_loader.image_config.ImageLoaderConfig
+      ...              # every key of zephon_loader.config.image.ImageLoaderConfig
 
 0.7.0's ``RecipeConfig.resolve_vlm_dataloader`` refuses a foreign
 ``dataloader._target_``, so a recipe must hold this object where it held
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
-from zephon_loader.image_builder import ImageLoader, build_image_loader
-from zephon_loader.image_config import ImageLoaderConfig, ProcessorConfig, ProcessorTarget
-from zephon_loader.recipe import _is_automodel_default
+from zephon_loader.build_image import ImageLoader, build_image_loader
+from zephon_loader.config.image import ImageLoaderConfig, ProcessorConfig, ProcessorTarget
+from zephon_loader.integrations.recipe import _is_automodel_default
 
 __all__ = ["ImageLoaderBuild", "ZephonVLMDataloaderConfig"]
 
@@ -56,14 +56,14 @@ class ImageLoaderBuild:
 class ZephonVLMDataloaderConfig(ImageLoaderConfig):
     """Typed image loader settings plus AutoModel's VLM dataloader protocol.
 
-    It *is* an :class:`~zephon_loader.image_config.ImageLoaderConfig`.
+    It *is* an :class:`~zephon_loader.config.image.ImageLoaderConfig`.
     ``micro_batch_size`` may be left out: the recipe's ``batch_size`` is used.
     A ``processor`` node with ``_target_`` arrives already instantiated when
     AutoModel's ``ConfigNode`` builds this object (it instantiates nested
     targets first); that processor object is used as is.
 
     Args:
-        **kwargs: The keys of :class:`~zephon_loader.image_config.ImageLoaderConfig`
+        **kwargs: The keys of :class:`~zephon_loader.config.image.ImageLoaderConfig`
             (validated now, before any worker starts).
     """
 

@@ -17,8 +17,8 @@ checkpoint. :class:`ZephonDataloaderConfig` answers all of that::
 
 AutoModel 0.7.0's ``DataloaderConfig`` refuses other ``dataloader._target_``
 values, so a recipe must hold this object where it held ``DataloaderConfig``:
-:class:`zephon_loader.automodel.ZephonFinetuneRecipe` is AutoModel's LLM recipe
-doing that (``recipe: zephon_loader.automodel.ZephonFinetuneRecipe``).
+:class:`zephon_loader.integrations.automodel.ZephonFinetuneRecipe` is AutoModel's LLM recipe
+doing that (``recipe: zephon_loader.integrations.automodel.ZephonFinetuneRecipe``).
 
 Validation: AutoModel builds validation loaders from
 ``dataclasses.replace(config, packing=None)`` (``_should_pack_validation``).
@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from zephon_loader.builders import build_text_loader
+from zephon_loader.build import build_text_loader
 from zephon_loader.config import DistributedConfig, PackingOptions, TextLoaderConfig
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.packing import validate_packing_contract

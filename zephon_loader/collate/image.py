@@ -2,7 +2,7 @@
 
 Input: a batch from ``pack_sequences(S, first_fit|best_fit).batch(B)``: each
 record is one row, ``{"packed_samples": [payload, ...]}``, whole processed
-records in row order (:data:`zephon_loader.image_records.PAYLOAD_FIELDS`).
+records in row order (:data:`zephon_loader.pipeline.image_records.PAYLOAD_FIELDS`).
 Every token of every record is an input token: a row holds at most ``S``
 tokens (records are never split, so no image is cut), and labels are the next
 token inside the row.
@@ -43,7 +43,7 @@ import torch
 
 from zephon_loader import fields as F
 from zephon_loader.errors import described_error as _err
-from zephon_loader.source import ZephonKeys
+from zephon_loader.nodes.source import ZephonKeys
 
 __all__ = ["PACKED_SAMPLES", "collate_images"]
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from zephon_loader import fields as F
-from zephon_loader.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
+from zephon_loader.nodes.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 
 __all__ = [
     "BAD_RECORD_POLICIES",
@@ -60,7 +60,7 @@ __all__ = [
     "refuse_or_log_drop",
 ]
 
-logger = logging.getLogger("zephon_loader.records")
+logger = logging.getLogger("zephon_loader.pipeline.records")
 
 BAD_RECORD_POLICIES = ("error", "skip")
 

@@ -11,7 +11,7 @@ Collate owns Zephon's output: it is the one place that checks it (dtypes,
 shapes, nonnegative positions, trailing padding, ``IGNORE_INDEX`` labels at
 padding), each with one cheap pass, and it derives ``document_ids`` so that
 they are well formed by construction. The final map trusts this
-(:func:`zephon_loader.finalize.finalize_collated`).
+(:func:`zephon_loader.finalize.final_map.finalize_collated`).
 
 Shapes: Zephon packs rows of ``S + 1`` tokens; after the shift every
 per-token field is ``[B, S]``.
@@ -27,7 +27,7 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import padding_is_trailing
 from zephon_loader.errors import described_error as _err
-from zephon_loader.source import ZephonKeys as Z
+from zephon_loader.nodes.source import ZephonKeys as Z
 
 __all__ = ["collate", "document_ids_from_positions", "next_token_starts_document"]
 

@@ -284,7 +284,7 @@ class TextLoaderConfig(LoaderSchema):
         block_mask_budget_bytes: Largest block-causal ``[B, 1, S, S]`` mask allowed.
         on_bad_record: ``error`` (default: stop at the first malformed record,
             naming source, shard file and line/row) or ``skip`` (leave it out,
-            counted by reason in ``loader.stats()``); see :mod:`zephon_loader.records`.
+            counted by reason in ``loader.stats()``); see :mod:`zephon_loader.pipeline.records`.
         max_record_tokens: Records with more tokens are bad records (``None``: no limit).
         max_record_bytes: Texts larger than this many UTF-8 bytes are bad records,
             refused before tokenizing (``None``: no limit).
@@ -384,7 +384,7 @@ class TextLoaderConfig(LoaderSchema):
 
 def package_data_dir() -> Path:
     """Folder of the bundled demo corpus, tokenizer and YAML."""
-    return Path(__file__).resolve().parent / "data"
+    return Path(__file__).resolve().parents[1] / "data"
 
 
 def default_config_path() -> Path:

@@ -4,7 +4,7 @@ Zephon 0.2.0's ``process`` runner (``runtime: {runner: process}``) starts one
 daemonic ``multiprocessing`` process per operator instance (4 for fetch and
 tokenize, whatever the core count: ``max_workers`` only sizes buffers under
 Zephon's default ``worker_allocation``) through ``RuntimeOptions.mp_context``,
-by default ``spawn``. :class:`~zephon_loader.source.ZephonSource` installs a
+by default ``spawn``. :class:`~zephon_loader.nodes.source.ZephonSource` installs a
 :class:`WorkerContext` as its pipeline's ``mp_context`` (:func:`contain_workers`),
 which changes four things (measured on 2 shared cores; reproduce with
 ``benchmarks/bench_process_runner.py``):
@@ -88,8 +88,8 @@ WORKER_GRACE_S = 1.0
 #: Seconds :meth:`WorkerContext.kill` waits for killed workers to be gone.
 KILL_WAIT_S = 5.0
 #: Modules the fork server imports once for all the workers it forks: the trainer's main module
-#: (what ``spawn`` imports in every worker) and :mod:`zephon_loader.worker_preload`.
-FORKSERVER_PRELOAD = ("__main__", "zephon_loader.worker_preload")
+#: (what ``spawn`` imports in every worker) and :mod:`zephon_loader.nodes.worker_preload`.
+FORKSERVER_PRELOAD = ("__main__", "zephon_loader.nodes.worker_preload")
 #: Start method for a pipeline left on Zephon's default ``spawn`` context.
 DEFAULT_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 #: Exit status of a worker whose parent process died (nobody reads it).

@@ -6,7 +6,7 @@
   O(1), never the O(N) replay of ``IterableWrapper``.
 * :class:`ZephonKeys`: the payload and ``to_training`` names of Zephon's API.
 
-The pipeline itself is built by :func:`zephon_loader.pipeline.build_pipeline`.
+The pipeline itself is built by :func:`zephon_loader.pipeline.text.build_pipeline`.
 
 Do not put a ``torchdata.nodes.Prefetcher`` directly above a
 :class:`ZephonSource`: a Prefetcher snapshots its source's state for every
@@ -91,7 +91,7 @@ class ZephonSource(BaseNode):
     * ``close()``: stops Zephon's workers (closes the pipeline iterator, whose
       ``finally`` closes the engine). Idempotent; also on ``with`` exit.
     * Worker processes (``runner: process``) are contained
-      (:mod:`zephon_loader.workers`): forked from a preloaded fork server,
+      (:mod:`zephon_loader.nodes.workers`): forked from a preloaded fork server,
       they ignore SIGINT and exit when this process dies; those still alive
       ``workers.WORKER_GRACE_S`` after ``close()`` or a new ``reset()`` began
       are SIGKILLed, and ``close()`` returns with none left.
@@ -134,9 +134,9 @@ class ZephonSource(BaseNode):
         if not isinstance(pipeline, zephon.Pipeline):
             raise TypeError(
                 _err("pipeline", type(pipeline).__name__, "a zephon.Pipeline",
-                     "Build it with zephon_loader.pipeline.build_pipeline(...).")
+                     "Build it with zephon_loader.pipeline.text.build_pipeline(...).")
             )
-        from zephon_loader.workers import contain_workers
+        from zephon_loader.nodes.workers import contain_workers
 
         self._pipeline = pipeline
         #: The pipeline's ``mp_context``: registry of its worker processes, bounds their shutdown.
@@ -210,7 +210,7 @@ class ZephonSource(BaseNode):
             # with ``info.exc_type`` / ``info.message``): a bad record is a BadRecordError under every runner.
             info = getattr(error, "info", None)
             if type(error).__name__ == "WorkerCrashed" and getattr(info, "exc_type", None) == "BadRecordError":
-                from zephon_loader.records import BadRecordError
+                from zephon_loader.pipeline.records import BadRecordError
 
                 raise BadRecordError(str(info.message)) from error
             raise

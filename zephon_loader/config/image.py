@@ -96,7 +96,7 @@ class ProcessorTarget:
 
 @dataclass(frozen=True)
 class RecordsConfig:
-    """The record format (see :mod:`zephon_loader.image_records`).
+    """The record format (see :mod:`zephon_loader.pipeline.image_records`).
 
     Attributes:
         text_field: Text column, with one ``image_marker`` per image.
@@ -164,7 +164,7 @@ class ImageLoaderConfig(LoaderSchema):
         sources: Weighted shard folders (JSONL with image paths, or Parquet with image bytes).
         sequence_length: Row length ``S``: every token of a packed record is an input token.
         micro_batch_size: Rows per batch ``B`` (``None`` only through
-            :class:`~zephon_loader.image_recipe.ZephonVLMDataloaderConfig`, which takes the recipe's batch size).
+            :class:`~zephon_loader.integrations.image_recipe.ZephonVLMDataloaderConfig`, which takes the recipe's batch size).
         processor: :class:`ProcessorConfig` or :class:`ProcessorTarget`; ``None``:
             the processor passed to the builder (or the built-in one on the recipe's model folder).
         records: See :class:`RecordsConfig`.
