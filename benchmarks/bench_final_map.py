@@ -35,7 +35,8 @@ from zephon_loader import fields as F
 from zephon_loader.collate.text import collate
 from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
 from zephon_loader.loader import FinalMap
-from zephon_loader.packing import PackingContract, build_packed_sequence_metadata
+from zephon_loader.packing import build_packed_sequence_metadata
+from zephon_loader.contract import PackingContract
 
 
 def packed_batch(batch_size: int, sequence_length: int, documents: int, seed: int = 0) -> dict:

@@ -15,7 +15,7 @@ from zephon_loader.attention import (
     padding_is_trailing,
     require_supported_packing_contract,
 )
-from zephon_loader.packing import PackingContract
+from zephon_loader.contract import PackingContract
 
 DOCS = PackingContract("document_ids", True)
 

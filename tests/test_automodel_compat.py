@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from packed_batches import packed_batches
 from zephon_loader import fields as F
 from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
-from zephon_loader.packing import PackingContract, build_packed_sequence_metadata, contract_for_attention
+from zephon_loader.packing import build_packed_sequence_metadata
+from zephon_loader.contract import PackingContract, contract_for_attention
 
 am_packing = pytest.importorskip(
     "nemo_automodel.components.datasets.packing",

@@ -14,7 +14,8 @@ from zephon_loader.attention import (
     require_supported_packing_contract,
 )
 from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
-from zephon_loader.packing import PackingContract, build_packed_sequence_metadata
+from zephon_loader.packing import build_packed_sequence_metadata
+from zephon_loader.contract import PackingContract
 
 
 def good():

@@ -12,7 +12,8 @@ from zephon import SampleBatch, SampleMeta, SampleRecord
 from conftest import zephon_pipeline
 from zephon_loader import fields as F
 from zephon_loader.collate.text import collate, document_ids_from_positions, next_token_starts_document
-from zephon_loader.nodes.source import ZephonKeys, ZephonSource
+from zephon_loader.nodes.source import ZephonSource
+from zephon_loader.zephon_compat import ZephonKeys
 
 L = 32
 B = 4

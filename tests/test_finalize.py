@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_metadata
 from zephon_loader import fields as F
 from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch, finalize_collated
-from zephon_loader.packing import PackingContract
+from zephon_loader.contract import PackingContract
 
 CONTRACTS = [
     PackingContract("document_ids"),

@@ -25,10 +25,10 @@ from zephon_loader import fields as F
 from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
 from zephon_loader.collate.image import PACKED_SAMPLES, collate_images
 from zephon_loader.pipeline.image_records import ProcessImageRecords, RecordFormat
-from zephon_loader.packing import PackingContract
+from zephon_loader.contract import PackingContract
 from zephon_loader.processors import Qwen2VLRecordProcessor
-from zephon_loader.pipeline.records import DropLog, ShardTable, SourceShards
-from zephon_loader.nodes.source import ZephonKeys
+from zephon_loader.pipeline.provenance import DropLog, ShardTable, SourceShards
+from zephon_loader.zephon_compat import ZephonKeys
 
 @pytest.fixture(scope="module")
 def processors() -> dict:

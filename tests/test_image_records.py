@@ -17,7 +17,7 @@ from conftest import collect
 from image_data import MARKER, draw_image, image_config, png, write_jsonl_images, write_parquet_images
 from zephon_loader import build_image_loader
 from zephon_loader.processors import ProcessedRecord, Qwen2VLRecordProcessor
-from zephon_loader.pipeline.records import BadRecordError
+from zephon_loader.errors import BadRecordError
 from image_data import PROCESSOR_DIR
 
 

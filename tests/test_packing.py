@@ -9,13 +9,8 @@ from hypothesis import strategies as st
 
 from packed_batches import packed_batches, reference_metadata
 from zephon_loader import fields as F
-from zephon_loader.packing import (
-    DEFAULT_PACKED_SEQUENCE_CONTRACT,
-    PackingContract,
-    build_packed_sequence_metadata,
-    contract_for_attention,
-    flatten_packed_sequence_metadata,
-)
+from zephon_loader.packing import build_packed_sequence_metadata, flatten_packed_sequence_metadata
+from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract, contract_for_attention
 
 SPEC_IDS = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
 
@@ -180,7 +175,7 @@ def test_contract_is_validated_once_on_the_way_to_the_loader(monkeypatch, jsonl_
     used to check the same contract three times; now it is checked where it enters, once."""
     from types import SimpleNamespace
 
-    from zephon_loader import packing
+    from zephon_loader import contract as packing
     from zephon_loader.build import build_text_loader
 
     calls = []

@@ -159,7 +159,7 @@ def test_bad_record_error_reaches_the_loop_and_close_leaves_no_worker(
     tmp_path: Path, corpus_texts: list[str], tokenizer_dir: Path
 ) -> None:
     from zephon_loader import build_text_loader
-    from zephon_loader.pipeline.records import BadRecordError
+    from zephon_loader.errors import BadRecordError
 
     records: list[dict[str, Any]] = [{"text": t} for t in corpus_texts[:60]]
     records[30] = {"text": 42}

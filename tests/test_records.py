@@ -14,7 +14,7 @@ import pytest
 
 from conftest import collect, make_texts, write_jsonl_shards, write_parquet_shards
 from zephon_loader import build_text_loader
-from zephon_loader.pipeline.records import BadRecordError
+from zephon_loader.errors import BadRecordError
 
 GOOD = make_texts(12, seed=3, min_words=2, max_words=6)
 

@@ -18,7 +18,8 @@ from conftest import zephon_pipeline
 from zephon_loader import fields as F
 from zephon_loader.config import text_loader_config
 from zephon_loader.pipeline.text import DataParallel
-from zephon_loader.nodes.source import ZephonKeys, ZephonSource
+from zephon_loader.nodes.source import ZephonSource
+from zephon_loader.zephon_compat import ZephonKeys
 from zephon_loader.pipeline.work_source import choose_chunk_size
 
 L = 32

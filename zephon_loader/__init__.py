@@ -33,11 +33,11 @@ _EXPORTS: dict[str, str] = {
     "require_supported_packing_contract": "zephon_loader.attention",
     "FinalizeSettings": "zephon_loader.finalize.final_map",
     "finalize_batch": "zephon_loader.finalize.final_map",
-    "DEFAULT_PACKED_SEQUENCE_CONTRACT": "zephon_loader.packing",
-    "PackedSequenceContract": "zephon_loader.packing",
-    "PackingContract": "zephon_loader.packing",
+    "DEFAULT_PACKED_SEQUENCE_CONTRACT": "zephon_loader.contract",
+    "PackedSequenceContract": "zephon_loader.contract",
+    "PackingContract": "zephon_loader.contract",
     "build_packed_sequence_metadata": "zephon_loader.packing",
-    "contract_for_attention": "zephon_loader.packing",
+    "contract_for_attention": "zephon_loader.contract",
     "flatten_packed_sequence_metadata": "zephon_loader.packing",
     "ReadAhead": "zephon_loader.nodes.readahead",
     "ZephonLoader": "zephon_loader.loader",
@@ -90,14 +90,8 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from zephon_loader.config.image import ImageLoaderConfig
     from zephon_loader.integrations.image_recipe import ZephonVLMDataloaderConfig
     from zephon_loader.loader import ZephonLoader
-    from zephon_loader.packing import (
-        DEFAULT_PACKED_SEQUENCE_CONTRACT,
-        PackedSequenceContract,
-        PackingContract,
-        build_packed_sequence_metadata,
-        contract_for_attention,
-        flatten_packed_sequence_metadata,
-    )
+    from zephon_loader.packing import build_packed_sequence_metadata, flatten_packed_sequence_metadata
+    from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackedSequenceContract, PackingContract, contract_for_attention
     from zephon_loader.pipeline.text import build_pipeline
     from zephon_loader.processors import ImageTextRecord, ProcessedRecord, Qwen2VLRecordProcessor
     from zephon_loader.nodes.readahead import ReadAhead

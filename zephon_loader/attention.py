@@ -19,10 +19,7 @@ from typing import Any, Mapping, MutableMapping, NotRequired, Required, TypedDic
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.packing import PackingContract, validate_packing_contract
-
-#: Default cap on a block-causal ``[B, 1, S, S]`` bool mask: 1 GiB per batch.
-DEFAULT_BLOCK_MASK_BUDGET_BYTES = 1 << 30
+from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, PackingContract, validate_packing_contract
 
 #: Collated CPU tensors; AutoModel aliases are applied only when yielding.
 #:

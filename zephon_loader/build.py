@@ -20,7 +20,7 @@ from zephon_loader.config import TextLoaderConfig, read_loader_config
 from zephon_loader.finalize.final_map import FinalizeSettings
 from zephon_loader.fingerprint import shard_list_fingerprint, tokenizer_fingerprint
 from zephon_loader.loader import ZephonLoader
-from zephon_loader.packing import PackingContract, validate_packing_contract
+from zephon_loader.contract import PackingContract, validate_packing_contract
 from zephon_loader.pipeline.text import BuiltPipeline, DataParallel, build_pipeline
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.stats import CountingCollate, LoaderStats

@@ -40,7 +40,7 @@ from zephon_loader.config.image import (
 from zephon_loader.pipeline.image_records import IMAGE_REASONS
 from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.loader import ZephonLoader
-from zephon_loader.packing import validate_packing_contract
+from zephon_loader.contract import validate_packing_contract
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.stats import CountingCollate, LoaderStats

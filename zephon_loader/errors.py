@@ -1,4 +1,4 @@
-"""The one shape of an error message (Zephon's style)."""
+"""The one shape of an error message (Zephon's style), and the error a bad record raises."""
 
 from __future__ import annotations
 
@@ -21,3 +21,8 @@ def described_error(where: str, seen: str, expected: str, fix: str) -> str:
     'zephon_batch: got 5 rows, expected 1 to micro_batch_size=4. Batch by B.'
     """
     return f"{where}: got {seen}, expected {expected}. {fix}"
+
+
+class BadRecordError(ValueError):
+    """A record the loader refuses under ``on_bad_record: error``; the message names its source, shard file and
+    line/row, the field, what was seen and what was expected."""

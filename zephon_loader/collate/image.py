@@ -43,7 +43,7 @@ import torch
 
 from zephon_loader import fields as F
 from zephon_loader.errors import described_error as _err
-from zephon_loader.nodes.source import ZephonKeys
+from zephon_loader.zephon_compat import ZephonKeys
 
 __all__ = ["PACKED_SAMPLES", "collate_images"]
 

@@ -27,7 +27,7 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import padding_is_trailing
 from zephon_loader.errors import described_error as _err
-from zephon_loader.nodes.source import ZephonKeys as Z
+from zephon_loader.zephon_compat import ZephonKeys as Z
 
 __all__ = ["collate", "document_ids_from_positions", "next_token_starts_document"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from zephon_loader.attention import DEFAULT_BLOCK_MASK_BUDGET_BYTES
+from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES
 from zephon_loader.config import (
     LOADER_SECTION,
     ContractConfig,
@@ -30,7 +30,7 @@ from zephon_loader.config import (
     from_mapping,
     package_data_dir,
 )
-from zephon_loader.packing import PackingContract
+from zephon_loader.contract import PackingContract
 
 __all__ = [
     "DEFAULT_PROCESSOR_PARALLELISM",

@@ -23,8 +23,8 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-from zephon_loader.attention import DEFAULT_BLOCK_MASK_BUDGET_BYTES
-from zephon_loader.packing import PackingContract, contract_for_attention
+from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES
+from zephon_loader.contract import PackingContract, contract_for_attention
 
 PACKING_ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_wrap")
 #: A path starting with this prefix resolves inside the installed package's ``data/`` folder.

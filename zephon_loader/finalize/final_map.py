@@ -27,20 +27,10 @@ from typing import Any, Mapping
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.attention import (
-    DEFAULT_BLOCK_MASK_BUDGET_BYTES,
-    attention_document_ids,
-    check_training_batch,
-    join_subdocuments,
-    require_supported_packing_contract,
-)
-from zephon_loader.packing import (
-    DEFAULT_PACKED_SEQUENCE_CONTRACT,
-    PackingContract,
-    build_packed_sequence_metadata,
-    compact_left,
-    document_lengths,
-)
+from zephon_loader.attention import attention_document_ids, check_training_batch, join_subdocuments, require_supported_packing_contract
+from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES
+from zephon_loader.packing import build_packed_sequence_metadata, compact_left, document_lengths
+from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract
 
 #: Internal keys the final map consumes; everything else not yielded by the
 #: contract passes through unchanged (e.g. processor outputs like pixel values).

@@ -127,7 +127,7 @@ class ZephonVLMDataloaderConfig(ImageLoaderConfig):
                 and _is_automodel_default(contract):
             contract = None  # the recipe passed its default, not the model's requirement
         if contract is None and packing_attn_implementation is not None and self.contract is None:
-            from zephon_loader.packing import contract_for_attention
+            from zephon_loader.contract import contract_for_attention
 
             contract = contract_for_attention(packing_attn_implementation)
         wrapper = None

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from zephon_loader.build import build_text_loader
 from zephon_loader.config import DistributedConfig, PackingOptions, TextLoaderConfig
 from zephon_loader.loader import ZephonLoader
-from zephon_loader.packing import validate_packing_contract
+from zephon_loader.contract import validate_packing_contract
 
 
 @dataclass(frozen=True, init=False)
@@ -156,7 +156,7 @@ class ZephonDataloaderConfig(TextLoaderConfig):
         if contract is not None and self.contract is not None and _is_automodel_default(contract):
             contract = None  # the recipe passed its default, not the model's requirement
         if contract is None and attn_implementation is not None and self.contract is None:
-            from zephon_loader.packing import contract_for_attention
+            from zephon_loader.contract import contract_for_attention
 
             contract = contract_for_attention(attn_implementation)
         effective = contract if contract is not None else self.packing_contract()
@@ -205,7 +205,7 @@ def _is_default_group(dp_rank: int, dp_world_size: int) -> bool:
 
 def _is_automodel_default(contract: object) -> bool:
     """Whether ``contract`` is AutoModel's (or our) default-contract object, i.e. "no model requirement"."""
-    from zephon_loader.packing import DEFAULT_PACKED_SEQUENCE_CONTRACT as ours
+    from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT as ours
 
     if contract is ours:
         return True

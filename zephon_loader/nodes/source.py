@@ -1,10 +1,9 @@
-"""The torchdata source node over a Zephon pipeline, and Zephon's own field names.
+"""The torchdata source node over a Zephon pipeline.
 
 * :class:`ZephonSource` is a ``torchdata.nodes.BaseNode`` that yields Zephon's
   ``SampleBatch`` objects. Its state is ``pipeline.checkpoint()`` and resuming
   is ``pipeline.restore(state)`` followed by ``iter(pipeline)``: exact and
   O(1), never the O(N) replay of ``IterableWrapper``.
-* :class:`ZephonKeys`: the payload and ``to_training`` names of Zephon's API.
 
 The pipeline itself is built by :func:`zephon_loader.pipeline.text.build_pipeline`.
 
@@ -25,33 +24,9 @@ from torchdata.nodes import BaseNode
 
 from zephon_loader.errors import field_error as _err
 
-__all__ = ["ZEPHON_LOSS_MASK_KEY", "ZEPHON_TOKENS_KEY", "ZephonKeys", "ZephonSource"]
+__all__ = ["ZephonSource"]
 
 
-class ZephonKeys:
-    """Zephon 0.2.0's own payload and ``to_training`` key names.
-
-    These are Zephon's API names, not zephon_loader batch fields (those live in
-    :mod:`zephon_loader.fields`); some coincide today. Kept in this one place so
-    a Zephon rename is a one-line change.
-    """
-
-    #: Token field emitted by tokenize/tokenize_chat, read by pack_flat, emitted by to_training.
-    TOKENS = "input_ids"
-    #: Per-token supervision mask from tokenize_chat; consumed by to_training(return_labels=True).
-    LOSS_MASK = "loss_mask"
-    #: Segment-local positions from pack_flat(emit_positions=True).
-    POSITIONS = "positions"
-    LABELS = "labels"
-    PADDING_MASK = "padding_mask"
-    CU_SEQLENS = "cu_seqlens"
-    MAX_SEQLEN = "max_seqlen"
-    IDS = "ids"
-    TEXTS = "texts"
-
-
-ZEPHON_TOKENS_KEY = ZephonKeys.TOKENS
-ZEPHON_LOSS_MASK_KEY = ZephonKeys.LOSS_MASK
 
 
 # ----------------------------------------------------------------------------- torchdata node
@@ -210,7 +185,7 @@ class ZephonSource(BaseNode):
             # with ``info.exc_type`` / ``info.message``): a bad record is a BadRecordError under every runner.
             info = getattr(error, "info", None)
             if type(error).__name__ == "WorkerCrashed" and getattr(info, "exc_type", None) == "BadRecordError":
-                from zephon_loader.pipeline.records import BadRecordError
+                from zephon_loader.errors import BadRecordError
 
                 raise BadRecordError(str(info.message)) from error
             raise

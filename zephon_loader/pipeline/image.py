@@ -24,8 +24,8 @@ from zephon.ops import CountingAccumulator
 from zephon_loader.config.image import DEFAULT_PROCESSOR_PARALLELISM, ImageLoaderConfig
 from zephon_loader.pipeline.image_records import ProcessImageRecords, RecordFormat
 from zephon_loader.pipeline.text import DEFAULT_NUM_BINS, DROP_LOG_NAME, DataParallel, runtime_options
-from zephon_loader.pipeline.records import DropLog, ShardTable
-from zephon_loader.nodes.source import ZephonKeys
+from zephon_loader.pipeline.provenance import DropLog, ShardTable
+from zephon_loader.zephon_compat import ZephonKeys
 from zephon_loader.pipeline.work_source import build_work_source
 
 __all__ = ["PROCESS_CALL_RECORDS", "BuiltImagePipeline", "build_image_pipeline"]

@@ -38,17 +38,9 @@ import numpy as np
 from zephon_loader import fields as F
 from zephon_loader.processors.base import ImageTextRecord, ProcessedRecord, check_processed
 from zephon_loader.processors.rope import qwen2_vl_positions
-from zephon_loader.pipeline.records import (
-    BAD_RECORD_POLICIES,
-    LONGER_THAN_ROW,
-    DropLog,
-    VALIDATION_KEY,
-    Problem,
-    ShardTable,
-    check_records,
-    refuse_or_log_drop,
-)
-from zephon_loader.nodes.source import ZephonKeys
+from zephon_loader.pipeline.records import BAD_RECORD_POLICIES, LONGER_THAN_ROW, VALIDATION_KEY, Problem, check_records, refuse_or_log_drop
+from zephon_loader.pipeline.provenance import DropLog, ShardTable
+from zephon_loader.zephon_compat import ZephonKeys
 
 __all__ = ["IMAGE_REASONS", "OVERSIZED_POLICIES", "PAYLOAD_FIELDS", "ProcessImageRecords", "RecordFormat"]
 

@@ -24,8 +24,9 @@ from typing import Any
 
 from zephon_loader.config import TextLoaderConfig
 from zephon_loader.errors import field_error as _err
-from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens, DropLog, ShardTable
-from zephon_loader.nodes.source import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
+from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens
+from zephon_loader.pipeline.provenance import DropLog, ShardTable
+from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
 from zephon_loader.pipeline.work_source import WorkSource, build_work_source, lane_options
 

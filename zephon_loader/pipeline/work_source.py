@@ -26,7 +26,7 @@ from typing import Any
 
 from zephon_loader.config import TextLoaderConfig
 from zephon_loader.errors import field_error as _err
-from zephon_loader.pipeline.records import ShardTable
+from zephon_loader.pipeline.provenance import ShardTable
 
 __all__ = [
     "CHUNKS_PER_LANE",

@@ -1,0 +1,159 @@
+"""Where a record came from, and the log of records left out.
+
+* :class:`ShardTable`: Zephon's ``sample_id = (dataset_id, shard_id, index)``
+  back to a source, shard file and line (JSONL, 1-based) or row (Parquet,
+  0-based), for every message about a record.
+* :class:`DropLog`: an append-only JSONL file of drop events shared by every
+  Zephon worker (threads or processes): one line per dropped record, keyed by
+  the record's cursor so a record read twice (a resume replays from a chunk
+  start) counts once. :mod:`zephon_loader.stats` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zephon_loader.errors import BadRecordError
+
+__all__ = ["DropLog", "ShardTable", "SourceShards"]
+
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
+_PARQUET_SUFFIX = ".parquet"
+
+
+# ----------------------------------------------------------------------------- where a record is
+
+
+@dataclass(frozen=True)
+class SourceShards:
+    """One source's shard files in Zephon's shard-id order (sorted file names)."""
+
+    name: str
+    folder: str
+    files: tuple[str, ...]
+    kind: str  # "jsonl" | "parquet"
+
+
+@dataclass(frozen=True)
+class ShardTable:
+    """Maps Zephon's ``sample_id = (dataset_id, shard_id, index)`` to a source, shard file and line/row.
+
+    Zephon numbers a directory's shards in sorted file-name order and a JSONL
+    record by its non-blank line; :meth:`where` turns that back into the
+    physical 1-based line (reading the file only on this error path).
+    """
+
+    sources: tuple[SourceShards, ...]
+
+    @classmethod
+    def from_folders(cls, names: Sequence[str], folders: Sequence[str | os.PathLike[str]]) -> "ShardTable":
+        out = []
+        for name, folder in zip(names, folders, strict=True):
+            path = Path(folder)
+            files = sorted(p.name for p in path.iterdir() if p.is_file())
+            jsonl = tuple(n for n in files if n.endswith(_JSONL_SUFFIXES))
+            kind = "jsonl" if jsonl else "parquet"
+            shards = jsonl or tuple(n for n in files if n.endswith(_PARQUET_SUFFIX))
+            out.append(SourceShards(name, str(path), shards, kind))
+        return cls(tuple(out))
+
+    def source_name(self, sample_id: Sequence[int]) -> str:
+        dataset = int(sample_id[0])
+        return self.sources[dataset].name if 0 <= dataset < len(self.sources) else f"dataset #{dataset}"
+
+    def where(self, sample_id: Sequence[int]) -> str:
+        """``source 'web', shard /data/web/part-00001.jsonl, line 17`` (or ``row 16`` for Parquet)."""
+        dataset, shard, index = (int(x) for x in sample_id[:3])
+        if not 0 <= dataset < len(self.sources):
+            return f"dataset #{dataset}, shard #{shard}, record #{index}"
+        src = self.sources[dataset]
+        if not 0 <= shard < len(src.files):
+            return f"source {src.name!r}, shard #{shard} of {src.folder}, record #{index}"
+        file = os.path.join(src.folder, src.files[shard])
+        if src.kind == "parquet":
+            return f"source {src.name!r}, shard {file}, row {index} (0-based)"
+        line = _physical_line(file, index)
+        return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")
+
+
+    def unparsable(self, error: Exception) -> "BadRecordError":
+        """The error for a JSONL line Zephon's reader could not parse, naming the shard and line.
+
+        Zephon's ``json.loads`` sees one line, so its own message says "line 1";
+        the first line of the sources that does not parse is searched here (only
+        on this error path). Such a line is always an error, even under
+        ``on_bad_record: skip``: Zephon's reader fails before any check runs.
+        """
+        for src in self.sources:
+            if src.kind != "jsonl":
+                continue
+            for name in src.files:
+                file = os.path.join(src.folder, name)
+                if not file.endswith(".jsonl"):
+                    continue
+                with open(file, encoding="utf-8", errors="replace") as handle:
+                    for number, line in enumerate(handle, start=1):
+                        if line.isspace():
+                            continue
+                        try:
+                            json.loads(line)
+                        except ValueError as bad:
+                            return BadRecordError(
+                                f"source {src.name!r}, shard {file}, line {number}: not valid JSON ({bad.msg} at "
+                                f"column {bad.colno}): {line.strip()[:60]!r}. Fix or remove the line; a line that "
+                                "does not parse is an error even under on_bad_record: skip (Zephon's reader fails on it)."
+                            )
+        return BadRecordError(f"a JSONL shard holds a line that is not valid JSON ({error}); none found on re-reading "
+                              "the shards: were they changed while the loader ran?")
+
+
+def _physical_line(file: str, index: int) -> int | None:
+    """1-based line number of the ``index``-th non-blank line (Zephon's record numbering)."""
+    if not file.endswith(".jsonl"):
+        return None  # compressed shards: Zephon's index is all we can name cheaply
+    try:
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            seen = -1
+            for number, line in enumerate(handle, start=1):
+                if not line.isspace():
+                    seen += 1
+                    if seen == index:
+                        return number
+    except OSError:
+        return None
+    return None
+
+
+# ----------------------------------------------------------------------------- drop log
+
+
+class DropLog:
+    """Append-only JSONL file of dropped records, shared by Zephon's workers (threads or processes).
+
+    One line per drop: ``{"key": [lane, chunk, offset], "sample": [dataset, shard, index],
+    "source": name, "reason": str, "tokens": int | null, "where": str}``. Appends
+    of one short line are atomic on POSIX, so concurrent workers never interleave.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def append(self, event: Mapping[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode("utf-8"))
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                return [json.loads(line) for line in handle if line.strip()]
+        except FileNotFoundError:
+            return []
