@@ -1,9 +1,10 @@
-"""YAML schema of the image-text loader (the ``dataloader`` section of an image YAML).
+"""The image-text record section of the loader schema: :class:`ImageLoaderConfig` and its sections.
 
-Closed and typed like :class:`~zephon_loader.config.TextLoaderConfig` (same
-reader, same messages: ``dataloader.packing.oversized: got 'keep', expected
-one of 'drop', 'error'``); the shared sections (``sources``, ``contract``,
-``distributed``) are the text loader's own classes.
+:class:`ImageLoaderConfig` is a :class:`~zephon_loader.config.schema.LoaderConfig`
+(every shared key, the same reader and messages:
+``dataloader.packing.oversized: got 'keep', expected one of 'drop', 'error'``)
+with the image-text record section: the processor, the record format, whole-record packing and the
+processor stage's runtime options.
 
 The processor is either the built-in one (:class:`ProcessorConfig`, closed) or
 any factory named by ``_target_`` (:class:`ProcessorTarget`: its other keys are
@@ -18,19 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES
-from zephon_loader.config import (
-    LOADER_SECTION,
-    ContractConfig,
-    DistributedConfig,
-    LoaderSchema,
-    SourceConfig,
-    from_mapping,
-    package_data_dir,
-)
-from zephon_loader.contract import PackingContract
+from zephon_loader.config.reader import LOADER_SECTION, from_mapping
+from zephon_loader.config.schema import LoaderConfig, RunnerOptions, package_data_dir
 
 __all__ = [
     "DEFAULT_PROCESSOR_PARALLELISM",
@@ -132,82 +124,52 @@ class ImagePackingOptions:
 
 
 @dataclass(frozen=True)
-class ImageRuntimeConfig:
-    """Zephon runtime options of the image pipeline.
+class ImageRuntimeConfig(RunnerOptions):
+    """Zephon runtime options of an image-text loader: :class:`~zephon_loader.config.schema.RunnerOptions`
+    (``runner: process`` is refused with a model's ``get_rope_index``: it would pickle the model) and the
+    processor stage's parallelism.
 
     Attributes:
-        runner: ``auto``/``threads``, ``inline`` or ``process`` (``process`` is
-            refused with a model's ``get_rope_index``: it would pickle the model).
-        max_workers: Zephon worker count (``None``: Zephon's default).
-        prefetch_batches: Zephon's consumer-side prefetch.
         processor_parallelism: Processor calls in flight (decode + process);
             ``None``: :data:`DEFAULT_PROCESSOR_PARALLELISM`.
     """
 
-    runner: Literal["auto", "threads", "inline", "process"] = "auto"
-    max_workers: int | None = None
-    prefetch_batches: int | None = None
     processor_parallelism: int | None = None
 
-    def options(self) -> dict[str, Any]:
-        """The set Zephon ``RuntimeOptions`` fields, as keyword arguments."""
-        return {name: value for name, value in (("runner", self.runner), ("max_workers", self.max_workers),
-                                                ("prefetch_batches", self.prefetch_batches))
-                if value not in (None, "auto")}
+    STAGE_KEYS: ClassVar[tuple[str, ...]] = ("processor_parallelism",)
 
 
-@dataclass(frozen=True)
-class ImageLoaderConfig(LoaderSchema):
-    """Everything ``build_image_loader`` needs (the YAML ``dataloader`` section).
+@dataclass(frozen=True, kw_only=True)
+class ImageLoaderConfig(LoaderConfig):
+    """An image-text loader's config: :class:`~zephon_loader.config.schema.LoaderConfig` and the image-text
+    record section.
+
+    Every token of a packed record is an input token (rows of ``S``); records are never split.
 
     Attributes:
-        sources: Weighted shard folders (JSONL with image paths, or Parquet with image bytes).
-        sequence_length: Row length ``S``: every token of a packed record is an input token.
         micro_batch_size: Rows per batch ``B`` (``None`` only through
-            :class:`~zephon_loader.integrations.image_recipe.ZephonVLMDataloaderConfig`, which takes the recipe's batch size).
+            :class:`~zephon_loader.integrations.recipe.ZephonVLMDataloaderConfig`, which takes the recipe's
+            batch size).
         processor: :class:`ProcessorConfig` or :class:`ProcessorTarget`; ``None``:
             the processor passed to the builder (or the built-in one on the recipe's model folder).
         records: See :class:`RecordsConfig`.
         packing: See :class:`ImagePackingOptions`.
-        contract: The model's contract; ``None`` = AutoModel's default (block-causal).
-        xdoc: Cross-document attention inside each row (positions continue on all three axes).
-        return_packed_sequence_metadata: Also yield the gathered-token bundle.
-        mask_cross_document_labels: Mask the label at each record's last token; ``None``: on unless xdoc.
-        seed, shuffle, chunk_size: Zephon mixture settings (as the text loader).
-        read_ahead: Batches collated and finalized ahead in a background thread. Default 0 (inline):
-            decoding and processing already run ahead in Zephon's workers, and a state saved with
-            read-ahead carries the pixel values of the batches read ahead (tens of MB each).
-        block_mask_budget_bytes: Largest block-causal ``[B, 1, S, S]`` mask allowed.
-        on_bad_record: ``error`` (stop naming source, shard file, line/row) or ``skip`` (count by reason).
-        max_record_tokens: Processed records with more tokens are bad records.
-        distributed: See :class:`~zephon_loader.config.DistributedConfig`.
+        read_ahead: Default 0 (inline): decoding and processing already run ahead in Zephon's workers, and a
+            state saved with read-ahead carries the pixel values of the batches read ahead (tens of MB each).
         runtime: See :class:`ImageRuntimeConfig`.
-        base_dir: Folder relative paths resolve against (set by the YAML reader).
+
+    ``xdoc`` continues positions on all three mRoPE axes.
     """
 
-    sources: tuple[SourceConfig, ...]
-    sequence_length: int
     micro_batch_size: int | None = None
     processor: ProcessorConfig | ProcessorTarget | None = None
     records: RecordsConfig = field(default_factory=RecordsConfig)
     packing: ImagePackingOptions = field(default_factory=ImagePackingOptions)
-    contract: ContractConfig | None = None
-    xdoc: bool = False
-    return_packed_sequence_metadata: bool = False
-    mask_cross_document_labels: bool | None = None
-    seed: int = 0
-    shuffle: bool = True
-    chunk_size: int | None = None
     read_ahead: int = 0
-    block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES
-    on_bad_record: Literal["error", "skip"] = "error"
-    max_record_tokens: int | None = None
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     runtime: ImageRuntimeConfig = field(default_factory=ImageRuntimeConfig)
-    base_dir: str = "."
 
-    EXAMPLE_CONFIG = "configs/image_demo.yaml"
-    YAML_TARGET = "zephon_loader.ZephonVLMDataloaderConfig"
+    EXAMPLE_CONFIG: ClassVar[str] = "configs/image_demo.yaml"
+    YAML_TARGET: ClassVar[str] = "zephon_loader.ZephonVLMDataloaderConfig"
 
     @classmethod
     def prepare_node(cls, node: dict[str, Any]) -> dict[str, Any]:
@@ -218,26 +180,16 @@ class ImageLoaderConfig(LoaderSchema):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "processor", processor_from_node(self.processor, f"{LOADER_SECTION}.processor"))
-        self._coerce_fields(ImageLoaderConfig)
-        self._check_sources_and_lanes()
-        positive = {
-            "sequence_length": self.sequence_length, "micro_batch_size": self.micro_batch_size,
-            "block_mask_budget_bytes": self.block_mask_budget_bytes, "chunk_size": self.chunk_size,
-            "max_record_tokens": self.max_record_tokens, "packing.num_bins": self.packing.num_bins,
-            "runtime.max_workers": self.runtime.max_workers, "runtime.prefetch_batches": self.runtime.prefetch_batches,
-            "runtime.processor_parallelism": self.runtime.processor_parallelism,
-        }
+        super().__post_init__()
+
+    def positive_ints(self) -> dict[str, int | None]:
+        out = super().positive_ints()
         if isinstance(self.processor, ProcessorConfig):
-            positive.update({f"processor.{name}": getattr(self.processor, name)
-                             for name in ("image_token_alignment", "min_pixels", "max_pixels")})
-        for name, value in positive.items():
-            if value is not None and value <= 0:
-                raise ValueError(f"dataloader.{name}: got {value}, expected an int > 0"
-                                 + ("" if name in ("sequence_length", "block_mask_budget_bytes") else " or null"))
-        if self.seed < 0:
-            raise ValueError(f"dataloader.seed: got {self.seed}, expected an int >= 0")
-        if self.read_ahead < 0:
-            raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
+            out.update({f"processor.{name}": getattr(self.processor, name)
+                        for name in ("image_token_alignment", "min_pixels", "max_pixels")})
+        return out
+
+    def _check_record_section(self) -> None:
         records = self.records
         for name in ("text_field", "images_field", "image_marker"):
             if not getattr(records, name):
@@ -245,11 +197,6 @@ class ImageLoaderConfig(LoaderSchema):
         if records.text_field == records.images_field:
             raise ValueError(f"dataloader.records.images_field: got {records.images_field!r}, the same as "
                              "text_field; expected two different fields")
-
-
-    def packing_contract(self) -> PackingContract:
-        """The configured contract, or AutoModel's default (block-causal, no metadata)."""
-        return (self.contract or ContractConfig()).build()
 
 
 def processor_from_node(value: Any, where: str) -> Any:

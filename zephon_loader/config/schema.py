@@ -1,30 +1,23 @@
-"""YAML schema and ``_target_`` resolution.
+"""The loader schema: one :class:`LoaderConfig` with the fields every loader shares, its sections, and the text
+loader's record section (:class:`TextLoaderConfig`; the image-text one is :mod:`zephon_loader.config.image`).
 
 The schema is closed and typed: each section is a frozen dataclass, unknown
-keys are refused with their path (``dataloader.packing.algo: unknown key``), and
-every value is type-checked before any Zephon source or worker starts.
-
-``_target_`` works the way AutoModel 0.7.0's ``ConfigNode`` resolves it: a
-dotted import path (longest importable module prefix, then attributes), called
-with the node's other keys as keyword arguments, nested ``_target_`` nodes
-instantiated first.
+keys are refused with their path (``dataloader.packing.algo: unknown key``),
+and every value is type-checked and range-checked here, once, before any
+Zephon source or worker starts. Imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
-import yaml
-
-from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES
-from zephon_loader.contract import PackingContract, contract_for_attention
+from zephon_loader.config.reader import LOADER_SECTION, _convert, from_mapping, load_yaml, resolve_target
+from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, PackingContract, contract_for_attention
 
 PACKING_ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_wrap")
 #: A path starting with this prefix resolves inside the installed package's ``data/`` folder.
@@ -99,32 +92,43 @@ class PackingOptions:
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """Zephon runtime options (``Pipeline.options``).
+class RunnerOptions:
+    """Zephon runtime options every loader has (``Pipeline.options``); each kind adds its stage's parallelism.
 
     Attributes:
         runner: ``auto``/``threads`` (default), ``inline``, or ``process``
             (spawned workers; scripts need an ``if __name__ == "__main__"`` guard).
         max_workers: Zephon worker count (``None``: Zephon's default).
         prefetch_batches: Zephon's own consumer-side prefetch (exactly accounted in its checkpoints).
+    """
+
+    runner: Literal["auto", "threads", "inline", "process"] = "auto"
+    max_workers: int | None = None
+    prefetch_batches: int | None = None
+
+    #: Keys applied to the kind's own stage rather than to Zephon's ``RuntimeOptions``.
+    STAGE_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def options(self) -> dict[str, Any]:
+        """The non-default values of Zephon ``RuntimeOptions`` fields, as keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self.STAGE_KEYS and getattr(self, f.name) not in (None, "auto")}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(RunnerOptions):
+    """Zephon runtime options of a text loader: :class:`RunnerOptions` and the tokenize stage's parallelism.
+
+    Attributes:
         tokenize_parallelism: Tokenizing calls Zephon keeps in flight (``None``:
             Zephon's default, 4 calls of 64 records). Lower it for corpora of
             long documents: the first batch waits for fewer of them and less
             text is held in memory (see README, "Memory and first batch").
     """
 
-    runner: Literal["auto", "threads", "inline", "process"] = "auto"
-    max_workers: int | None = None
-    prefetch_batches: int | None = None
     tokenize_parallelism: int | None = None
 
-    #: Keys applied to the tokenize stage rather than to ``RuntimeOptions``.
-    STAGE_KEYS = ("tokenize_parallelism",)
-
-    def options(self) -> dict[str, Any]:
-        """The non-default values of Zephon ``RuntimeOptions`` fields, as keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in self.STAGE_KEYS and getattr(self, f.name) not in (None, "auto")}
+    STAGE_KEYS: ClassVar[tuple[str, ...]] = ("tokenize_parallelism",)
 
 
 @dataclass(frozen=True)
@@ -183,88 +187,26 @@ class DistributedConfig:
     run_id: str | None = None
 
 
-class LoaderSchema:
-    """What the text and image loader configs share: the YAML reader's hooks, typed coercion,
-    the source and distributed checks, and path resolution.
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """What every loader config holds (the YAML ``dataloader`` section), declared once.
 
-    A subclass is a frozen dataclass with ``sources``, ``distributed``, ``base_dir``,
-    ``xdoc`` and ``mask_cross_document_labels`` fields.
-    """
-
-    #: The bundled example the YAML reader points to.
-    EXAMPLE_CONFIG = "configs/demo.yaml"
-    #: The ``_target_`` a YAML node of this schema names.
-    YAML_TARGET = "zephon_loader.ZephonDataloaderConfig"
-
-    @classmethod
-    def prepare_node(cls, node: dict[str, Any]) -> dict[str, Any]:
-        """The YAML node before :func:`from_mapping` reads it (a hook for fields with their own readers)."""
-        return node
-
-    def _coerce_fields(self, schema: type) -> None:
-        # Typed coercion of every field (a no-op for values already typed), so that
-        # Schema(**plain_yaml_values) is as strict as from_mapping.
-        hints = typing.get_type_hints(schema)
-        for spec in dataclasses.fields(schema):
-            value = _convert(getattr(self, spec.name), hints[spec.name], f"{LOADER_SECTION}.{spec.name}")
-            object.__setattr__(self, spec.name, value)
-
-    def _check_sources_and_lanes(self) -> None:
-        sources = self.sources  # type: ignore[attr-defined]
-        if not sources:
-            raise ValueError("dataloader.sources: got an empty list, expected at least one source")
-        names = [source.name for source in sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"dataloader.sources: duplicate names in {names}; expected unique names")
-        for index, source in enumerate(sources):
-            if not source.name:
-                raise ValueError(f"dataloader.sources[{index}].name: got '', expected a non-empty name")
-            if not (math.isfinite(source.weight) and source.weight > 0):
-                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a finite number > 0")
-        distributed = self.distributed  # type: ignore[attr-defined]
-        if distributed.canonical_replicas is not None and distributed.canonical_replicas <= 0:
-            raise ValueError(f"dataloader.distributed.canonical_replicas: got {distributed.canonical_replicas}, "
-                             "expected an int > 0 or null")
-        if distributed.run_id == "":
-            raise ValueError("dataloader.distributed.run_id: got '', expected a non-empty run id or null")
-
-    @property
-    def labels_mask_cross_document(self) -> bool:
-        """``mask_cross_document_labels`` resolved: on unless xdoc, when unset."""
-        masked = self.mask_cross_document_labels  # type: ignore[attr-defined]
-        return masked if masked is not None else not self.xdoc  # type: ignore[attr-defined]
-
-    def resolve_path(self, value: str) -> Path:
-        """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""
-        if value.startswith(PACKAGE_DATA_PREFIX):
-            return package_data_dir() / value[len(PACKAGE_DATA_PREFIX) :]
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else (Path(self.base_dir) / path).resolve()  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True)
-class TextLoaderConfig(LoaderSchema):
-    """Everything ``build_text_loader`` needs (the YAML ``dataloader`` section).
-
-    Constructing it from plain YAML values coerces and checks every field
-    (wrong types raise ``TypeError`` naming ``dataloader.<field>``).
+    A kind of loader (:class:`TextLoaderConfig`,
+    :class:`~zephon_loader.config.image.ImageLoaderConfig`) adds its record
+    section: how records become tokens (``tokenizer`` or ``processor``), its
+    ``packing`` and ``runtime`` options. Constructing a config from plain YAML
+    values coerces and checks every field (wrong types raise ``TypeError``
+    naming ``dataloader.<field>``; values out of range ``ValueError``).
 
     Attributes:
         sources: One or more weighted shard folders.
-        sequence_length: Model sequence length ``S`` (Zephon packs ``S + 1``).
+        sequence_length: Model sequence length ``S``.
         micro_batch_size: Rows per batch ``B``.
-        tokenizer: See :class:`TokenizerConfig`.
-        packing: See :class:`PackingOptions`.
         contract: The model's contract; ``None`` = AutoModel's default (block-causal).
         xdoc: Cross-document attention inside each row.
-        eligibility_field: Per-token 0/1 record field marking tokens that may attend.
         return_packed_sequence_metadata: Also yield the gathered-token bundle.
         mask_cross_document_labels: Mask the label at each subdocument's last
             token (its target is the next document). ``None``: on unless xdoc.
-        eos_mask_loss: Mask labels whose target is ``eos_token_id``.
-        eos_token_id: Required with ``eos_mask_loss``.
-        pad_token_id: Pad id for packing (default: the tokenizer's pad, else its
-            EOS); needed for pretokenized input without a tokenizer.
         seed: Zephon mixture/shuffle seed.
         shuffle: Shuffle records within Zephon's work chunks.
         mixture: What a pass reads. ``repeat`` (default): every record of every
@@ -286,26 +228,17 @@ class TextLoaderConfig(LoaderSchema):
             naming source, shard file and line/row) or ``skip`` (leave it out,
             counted by reason in ``loader.stats()``); see :mod:`zephon_loader.pipeline.records`.
         max_record_tokens: Records with more tokens are bad records (``None``: no limit).
-        max_record_bytes: Texts larger than this many UTF-8 bytes are bad records,
-            refused before tokenizing (``None``: no limit).
         distributed: See :class:`DistributedConfig`.
-        runtime: See :class:`RuntimeConfig`.
         base_dir: Folder relative paths resolve against (set by the YAML reader).
     """
 
     sources: tuple[SourceConfig, ...]
     sequence_length: int
     micro_batch_size: int
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    packing: PackingOptions = field(default_factory=PackingOptions)
     contract: ContractConfig | None = None
     xdoc: bool = False
-    eligibility_field: str | None = None
     return_packed_sequence_metadata: bool = False
     mask_cross_document_labels: bool | None = None
-    eos_mask_loss: bool = False
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
     seed: int = 0
     shuffle: bool = True
     mixture: Literal["repeat", "once"] = "repeat"
@@ -315,43 +248,140 @@ class TextLoaderConfig(LoaderSchema):
     block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES
     on_bad_record: Literal["error", "skip"] = "error"
     max_record_tokens: int | None = None
-    max_record_bytes: int | None = None
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     base_dir: str = "."
 
+    #: The bundled example the YAML reader points to.
+    EXAMPLE_CONFIG: ClassVar[str] = "configs/demo.yaml"
+    #: The ``_target_`` a YAML node of this schema names.
+    YAML_TARGET: ClassVar[str] = "zephon_loader.ZephonDataloaderConfig"
+
+    @classmethod
+    def prepare_node(cls, node: dict[str, Any]) -> dict[str, Any]:
+        """The YAML node before :func:`~zephon_loader.config.reader.from_mapping` reads it (a hook for fields
+        with their own readers)."""
+        return node
+
     def __post_init__(self) -> None:
-        self._coerce_fields(TextLoaderConfig)
+        # Typed coercion of every field (a no-op for values already typed), so that
+        # Config(**plain_yaml_values) is as strict as from_mapping.
+        hints = typing.get_type_hints(type(self))
+        for spec in dataclasses.fields(self):
+            value = _convert(getattr(self, spec.name), hints[spec.name], f"{LOADER_SECTION}.{spec.name}")
+            object.__setattr__(self, spec.name, value)
         self._check_sources_and_lanes()
-        for name in ("sequence_length", "micro_batch_size", "block_mask_budget_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0")
+        self._check_ranges()
+        self._check_record_section()
+
+    def _check_sources_and_lanes(self) -> None:
+        if not self.sources:
+            raise ValueError("dataloader.sources: got an empty list, expected at least one source")
+        names = [source.name for source in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataloader.sources: duplicate names in {names}; expected unique names")
+        for index, source in enumerate(self.sources):
+            if not source.name:
+                raise ValueError(f"dataloader.sources[{index}].name: got '', expected a non-empty name")
+            if not (math.isfinite(source.weight) and source.weight > 0):
+                raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a finite number > 0")
+        distributed = self.distributed
+        if distributed.canonical_replicas is not None and distributed.canonical_replicas <= 0:
+            raise ValueError(f"dataloader.distributed.canonical_replicas: got {distributed.canonical_replicas}, "
+                             "expected an int > 0 or null")
+        if distributed.run_id == "":
+            raise ValueError("dataloader.distributed.run_id: got '', expected a non-empty run id or null")
+
+    def positive_ints(self) -> dict[str, int | None]:
+        """The settings that must be an int > 0 (or null where optional), by dotted key; a kind adds its own."""
+        runtime = self.runtime  # type: ignore[attr-defined]  # every kind has a RunnerOptions section
+        return {
+            "sequence_length": self.sequence_length, "micro_batch_size": self.micro_batch_size,
+            "block_mask_budget_bytes": self.block_mask_budget_bytes, "chunk_size": self.chunk_size,
+            "max_record_tokens": self.max_record_tokens,
+            "packing.num_bins": self.packing.num_bins,  # type: ignore[attr-defined]
+            **{f"runtime.{f.name}": getattr(runtime, f.name) for f in dataclasses.fields(runtime)
+               if f.name not in ("runner",)},
+        }
+
+    def _check_ranges(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for name, value in self.positive_ints().items():
+            if value is not None and value <= 0:
+                optional = "." in name or type(None) in typing.get_args(hints.get(name))
+                raise ValueError(f"dataloader.{name}: got {value}, expected an int > 0" + (" or null" if optional else ""))
         if self.passes is not None and self.passes <= 0:
             raise ValueError(f"dataloader.passes: got {self.passes}, expected an int > 0 or null (endless)")
         if self.mixture == "once" and self.passes != 1:
             raise ValueError(f"dataloader.passes: got {self.passes} with mixture: once, expected 1 (once reads every "
                              "record exactly once; use mixture: repeat for several or endless passes)")
-        for name in ("seed", "pad_token_id", "eos_token_id"):
+        if self.seed < 0:
+            raise ValueError(f"dataloader.seed: got {self.seed}, expected an int >= 0")
+        if self.read_ahead < 0:
+            raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
+
+    def _check_record_section(self) -> None:
+        """The checks of the kind's own fields (combinations the typed reader cannot see)."""
+
+    @property
+    def labels_mask_cross_document(self) -> bool:
+        """``mask_cross_document_labels`` resolved: on unless xdoc, when unset."""
+        masked = self.mask_cross_document_labels
+        return masked if masked is not None else not self.xdoc
+
+    def packing_contract(self) -> PackingContract:
+        """The configured contract, or AutoModel's default (block-causal, no metadata)."""
+        return (self.contract or ContractConfig()).build()
+
+    def resolve_path(self, value: str) -> Path:
+        """A configured path as an absolute path (``pkg://`` → package data, relative → ``base_dir``)."""
+        if value.startswith(PACKAGE_DATA_PREFIX):
+            return package_data_dir() / value[len(PACKAGE_DATA_PREFIX) :]
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (Path(self.base_dir) / path).resolve()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextLoaderConfig(LoaderConfig):
+    """A text loader's config: :class:`LoaderConfig` and the text record section (text, chat or pretokenized).
+
+    Zephon packs ``S + 1`` tokens per row; collate shifts them into ``S``
+    inputs and their next-token labels.
+
+    Attributes:
+        sequence_length: Model sequence length ``S`` (Zephon packs ``S + 1``).
+        tokenizer: See :class:`TokenizerConfig`.
+        packing: See :class:`PackingOptions`.
+        eligibility_field: Per-token 0/1 record field marking tokens that may attend.
+        eos_mask_loss: Mask labels whose target is ``eos_token_id``.
+        eos_token_id: Required with ``eos_mask_loss``.
+        pad_token_id: Pad id for packing (default: the tokenizer's pad, else its
+            EOS); needed for pretokenized input without a tokenizer.
+        max_record_bytes: Texts larger than this many UTF-8 bytes are bad records,
+            refused before tokenizing (``None``: no limit).
+        runtime: See :class:`RuntimeConfig`.
+    """
+
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    packing: PackingOptions = field(default_factory=PackingOptions)
+    eligibility_field: str | None = None
+    eos_mask_loss: bool = False
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    max_record_bytes: int | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def positive_ints(self) -> dict[str, int | None]:
+        return {**super().positive_ints(), "max_record_bytes": self.max_record_bytes}
+
+    def _check_record_section(self) -> None:
+        for name in ("pad_token_id", "eos_token_id"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int >= 0")
-        for name in ("max_workers", "prefetch_batches", "tokenize_parallelism"):
-            value = getattr(self.runtime, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"dataloader.runtime.{name}: got {value}, expected an int > 0 or null")
-        for name in ("max_record_tokens", "max_record_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"dataloader.{name}: got {getattr(self, name)}, expected an int > 0 or null")
-        if self.packing.num_bins is not None and self.packing.num_bins <= 0:
-            raise ValueError(f"dataloader.packing.num_bins: got {self.packing.num_bins}, expected an int > 0 or null")
         if self.packing.num_bins is not None and self.packing.algorithm not in ("first_fit", "best_fit"):
             raise ValueError(
                 f"dataloader.packing.num_bins: got {self.packing.num_bins} with algorithm "
                 f"{self.packing.algorithm!r}, expected null (bins apply to first_fit/best_fit only)"
             )
-        if self.read_ahead < 0:
-            raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
-        if self.chunk_size is not None and self.chunk_size <= 0:
-            raise ValueError(f"dataloader.chunk_size: got {self.chunk_size}, expected an int > 0 or null")
         if self.eos_mask_loss and self.eos_token_id is None:
             raise ValueError("dataloader.eos_token_id: got null with eos_mask_loss: true; expected the EOS token id")
         tokenizer = self.tokenizer
@@ -377,10 +407,6 @@ class TextLoaderConfig(LoaderSchema):
             return "pretokenized"
         return "chat" if self.tokenizer.chat_field is not None else "text"
 
-    def packing_contract(self) -> PackingContract:
-        """The configured contract, or AutoModel's default (block-causal, no metadata)."""
-        return (self.contract or ContractConfig()).build()
-
 
 def package_data_dir() -> Path:
     """Folder of the bundled demo corpus, tokenizer and YAML."""
@@ -392,183 +418,9 @@ def default_config_path() -> Path:
     return package_data_dir() / "demo.yaml"
 
 
-# --- the typed reader ----------------------------------------------------------------------
-
-
-def _type_name(expected: Any) -> str:
-    origin = typing.get_origin(expected)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(expected))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(expected))
-    if origin is tuple:
-        return f"a list of {_type_name(typing.get_args(expected)[0])}"
-    if dataclasses.is_dataclass(expected):
-        return f"a mapping ({expected.__name__})"
-    return {type(None): "null", int: "an int", float: "a number", bool: "a bool", str: "a string"}.get(
-        expected, str(expected)
-    )
-
-
-def _convert(value: Any, expected: Any, path: str) -> Any:
-    origin = typing.get_origin(expected)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(expected)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(value, option, path)
-            except (TypeError, ValueError) as error:
-                errors.append(error)
-        if len(errors) == 1:
-            raise errors[0]
-        raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected {_type_name(expected)}")
-    if origin is Literal:
-        if value not in typing.get_args(expected):
-            raise ValueError(f"{path}: got {value!r}, expected {_type_name(expected)}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{path}: got {type(value).__name__}, expected {_type_name(expected)}")
-        item = typing.get_args(expected)[0]
-        return tuple(_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(expected):
-        if isinstance(value, expected):
-            return value
-        return from_mapping(expected, value, path)
-    if expected is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected a bool")
-        return value
-    if expected is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected an int")
-        return value
-    if expected is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected a number")
-        return float(value)
-    if expected is str:
-        if not isinstance(value, str):
-            raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected a string")
-        return value
-    raise TypeError(f"{path}: unsupported schema type {expected!r}")  # pragma: no cover - schema bug
-
-
-def from_mapping(cls: type, data: Any, path: str = "dataloader") -> Any:
-    """Build a schema dataclass from a mapping, refusing unknown keys and wrong types.
-
-    Args:
-        cls: A dataclass of this module.
-        data: The parsed YAML mapping.
-        path: Dotted location of ``data`` in the YAML, used in error messages.
-
-    Raises:
-        TypeError: ``data`` not a mapping, or a value of the wrong type.
-        ValueError: Unknown or missing keys, or values out of range.
-    """
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{path}: got {type(data).__name__}, expected a mapping ({cls.__name__})")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ValueError(f"{path}.{unknown[0]}: unknown key; expected one of {sorted(known)}")
-    kwargs = {}
-    for name, spec in known.items():
-        if name in data:
-            kwargs[name] = _convert(data[name], hints[name], f"{path}.{name}")
-        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{path}.{name}: missing; expected {_type_name(hints[name])}")
-    return cls(**kwargs)
-
-
 def text_loader_config(**kwargs: Any) -> TextLoaderConfig:
     """A :class:`TextLoaderConfig` from keyword arguments (plain YAML values)."""
     return from_mapping(TextLoaderConfig, kwargs)
-
-
-# --- _target_ resolution ----------------------------------------------------------------
-
-
-def resolve_target(dotted_path: str) -> Any:
-    """Import ``pkg.module.attr`` by the longest importable module prefix (AutoModel's rule).
-
-    Raises:
-        ImportError: No prefix imports, or an attribute is missing; the message names the path.
-    """
-    if not isinstance(dotted_path, str) or not dotted_path:
-        raise TypeError(f"_target_: got {dotted_path!r}, expected a dotted import path string")
-    parts = dotted_path.split(".")
-    for cut in range(len(parts), 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name is not None and not module_name.startswith(error.name):
-                raise  # the module exists but one of its own imports is missing
-            continue
-        for attribute in parts[cut:]:
-            if not hasattr(obj, attribute):
-                raise ImportError(f"_target_: module {module_name!r} has no attribute path {'.'.join(parts[cut:])!r} ({dotted_path})")
-            obj = getattr(obj, attribute)
-        return obj
-    raise ImportError(f"_target_: cannot import any module prefix of {dotted_path!r}")
-
-
-def instantiate(node: Any, **overrides: Any) -> Any:
-    """Instantiate a YAML node the way AutoModel's ``ConfigNode.instantiate`` does.
-
-    Mappings with ``_target_`` are called with their other keys (nested
-    ``_target_`` nodes instantiated first); other values are returned as they
-    are. ``overrides`` are merged into the top-level call.
-    """
-    if isinstance(node, list):
-        return [instantiate(item) for item in node]
-    if not isinstance(node, Mapping):
-        return node
-    if "_target_" not in node:
-        return {key: instantiate(value) for key, value in node.items()}
-    target = resolve_target(node["_target_"])
-    kwargs = {key: instantiate(value) for key, value in node.items() if key != "_target_" and key not in overrides}
-    kwargs.update(overrides)
-    return target(**kwargs)
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML file into a mapping, with a one-line error for a missing or malformed file.
-
-    Raises:
-        FileNotFoundError: No such file.
-        ValueError: A YAML syntax error, as ``file:line:column: problem``.
-        TypeError: The top level is not a mapping.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config: {path} does not exist; expected a YAML file (see configs/demo.yaml)")
-    with path.open() as handle:
-        try:
-            data = yaml.safe_load(handle)
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-            context = getattr(error, "context", None)
-            raise ValueError(
-                f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
-                + "; expected valid YAML (check indentation, quotes and ':' after keys)"
-            ) from None
-    if not isinstance(data, dict):
-        raise TypeError(f"config: {path} holds {type(data).__name__}, expected a mapping at the top level")
-    return data
-
-
-#: The YAML section a loader config lives in (AutoModel's recipe key).
-LOADER_SECTION = "dataloader"
 
 
 def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:

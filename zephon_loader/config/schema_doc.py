@@ -3,7 +3,7 @@
 Every key of :class:`~zephon_loader.config.TextLoaderConfig` and of its nested
 sections becomes one row: the YAML key path, its type, its default and its
 meaning, taken from the dataclass fields and from the ``Attributes:`` section
-of each class's docstring in :mod:`zephon_loader.config`. ``_target_`` (read by
+of each class's docstring (and its bases') in :mod:`zephon_loader.config`. ``_target_`` (read by
 :func:`~zephon_loader.config.read_loader_config`, not a field) is the first row.
 
     python -m zephon_loader.config.schema_doc            # rewrite README.md's table in place
@@ -53,7 +53,16 @@ class Row:
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """``{name: text}`` from the ``Attributes:`` section of ``cls``'s own docstring (Google style)."""
+    """``{name: text}`` from the ``Attributes:`` sections of ``cls``'s docstring and its bases' (Google style);
+    a class's own entry wins over a base's (a kind redeclaring a shared key documents it again)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        docs.update(_own_attribute_docs(klass))
+    return docs
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
+    """``{name: text}`` from the ``Attributes:`` section of ``cls``'s own docstring."""
     doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
     lines = doc.splitlines()
     try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zephon_loader.config import TextLoaderConfig
+from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.provenance import ShardTable
 
@@ -230,7 +230,7 @@ class WorkSource:
     flush_every_k_chunks: int
 
 
-def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None = None) -> WorkSource:
+def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = None) -> WorkSource:
     """The mixture of the configured shard folders, read in whole passes (``config.mixture``).
 
     Args:
@@ -257,7 +257,7 @@ def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None 
                      "The shards are empty; add data or drop the source.")
             )
     weights = [source.weight for source in config.sources]
-    once = getattr(config, "mixture", "repeat") == "once"
+    once = config.mixture == "once"
     if once:  # every record exactly once: Zephon clamps a running-out source's quota, no pass is cut short
         upper = _lane_cap(min(DEFAULT_CHUNK_SIZE, sum(counts)), counts, lanes)
         chunk_size = config.chunk_size or upper
@@ -277,7 +277,7 @@ def build_work_source(config: TextLoaderConfig, *, lanes: int, seed: int | None 
         shuffle_within_shard=config.shuffle,
         # once: each source read once, then dropped from the mixture (the others renormalized);
         # repeat: every source repeats until the slowest was read whole `passes` times (None: endless).
-        **_pass_policy(once, getattr(config, "passes", 1)),
+        **_pass_policy(once, config.passes),
     )
     return WorkSource(source, ShardTable.from_folders(names, paths), chunk_size, flush_every_k_chunks)
 
