@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from conftest import collect
-from image_data import MARKER, draw_image, image_config, png, write_jsonl_images, write_parquet_images
+from image_data import (
+    MARKER, PROCESSOR_DIR, draw_image, image_config, png, write_jsonl_images, write_parquet_images,
+)
 from zephon_loader import build_image_loader
-from zephon_loader.processors import ProcessedRecord, Qwen2VLRecordProcessor
 from zephon_loader.errors import BadRecordError
-from image_data import PROCESSOR_DIR
+from zephon_loader.processors import ProcessedRecord, Qwen2VLRecordProcessor
 
 
 def good_records(count: int, seed: int = 0) -> list[tuple[str, list]]:

@@ -6,8 +6,8 @@
   ``component_token_counts``), when a batch reaches the training loop: batches
   read ahead but not yet yielded are not counted, and the counts travel in the
   loader's state, so a resumed run continues them exactly.
-* **Dropped** records come from the :class:`~zephon_loader.pipeline.records.DropLog`
-  the record checks append to (skipped bad records by reason; records longer
+* **Dropped** records come from the :class:`~zephon_loader.pipeline.provenance.DropLog`
+  the record operators append to (skipped bad records by reason; records longer
   than a row under ``first_fit``/``best_fit``). Each is keyed by its position in
   the stream (Zephon's cursor), so a record read again (after a resume, or in
   a new pass from the beginning) counts once. They count when Zephon's workers
@@ -65,7 +65,9 @@ class LoaderStats:
 
     Args:
         source_names: Zephon component id -> source name (the mixture's dataset order).
-        drop_log: The file the record checks append drop events to.
+        drop_log: The file the record operators append drop events to.
+        reasons: Drop reason -> meaning, reported with the drops (default: the text checks'
+            :data:`~zephon_loader.pipeline.records.REASONS` and ``longer_than_row``).
     """
 
     STATE_KEYS = ("delivered", "drops")
@@ -74,7 +76,6 @@ class LoaderStats:
                  reasons: Mapping[str, str] | None = None) -> None:
         self.source_names = list(source_names)
         self.drop_log = drop_log
-        #: reason -> meaning, reported with the drops (default: the text checks' reasons).
         self.reasons = dict(reasons) if reasons is not None else {
             **REASONS, LONGER_THAN_ROW: "longer than a row: first_fit/best_fit cannot split it"}
         self._delivered: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}

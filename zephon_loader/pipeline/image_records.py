@@ -12,25 +12,25 @@ shard file and line/row):
   Pillow opens), e.g. a ``list<binary>`` column. A record without images may
   leave the field out (JSONL) or hold an empty list / null.
 
-:class:`ProcessImageRecords` runs inside Zephon's workers on every record:
-check the record, decode its images with Pillow, call the processor
-(:mod:`zephon_loader.processors`), check what it returned, fill missing
-positions, and hand packing a payload of numpy arrays (:data:`PAYLOAD_FIELDS`).
-A record longer than a row cannot be packed whole (images are never split):
-``oversized: drop`` drops it and counts it (``longer_than_row`` in
-``loader.stats()``, logged once with its location), ``oversized: error`` stops
-the stream naming it. Bad records follow ``on_bad_record`` (``error``: stop
-with a :class:`~zephon_loader.pipeline.records.BadRecordError`; ``skip``: leave out,
-count by reason). A processor that returns malformed output is a bug, not a bad
-record: ``TypeError``/``ValueError`` naming the processor, the field and the record.
+:class:`ProcessImageRecords` (a
+:class:`~zephon_loader.pipeline.records.RecordOperator`) runs inside Zephon's
+workers on every record: check the record, decode its images with Pillow, call
+the processor (:mod:`zephon_loader.processors`), check what it returned, fill
+missing positions, and hand packing a payload of numpy arrays
+(:data:`PAYLOAD_FIELDS`). A record longer than a row cannot be packed whole
+(images are never split): ``oversized: drop`` drops it and counts it
+(``longer_than_row`` in ``loader.stats()``, logged once with its location),
+``oversized: error`` stops the stream naming it. Bad records follow
+``on_bad_record`` (``error``: stop with a
+:class:`~zephon_loader.errors.BadRecordError`; ``skip``: leave out, count by
+reason). A processor that returns malformed output is a bug, not a bad record:
+``TypeError``/``ValueError`` naming the processor, the field and the record.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,15 +38,11 @@ import numpy as np
 from zephon_loader import fields as F
 from zephon_loader.processors.base import ImageTextRecord, ProcessedRecord, check_processed
 from zephon_loader.processors.rope import qwen2_vl_positions
-from zephon_loader.pipeline.records import BAD_RECORD_POLICIES, LONGER_THAN_ROW, VALIDATION_KEY, Problem, check_records, refuse_or_log_drop
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
+from zephon_loader.pipeline.records import LONGER_THAN_ROW, Problem, RecordOperator, describe
 from zephon_loader.zephon_compat import ZephonKeys
 
-__all__ = ["IMAGE_REASONS", "OVERSIZED_POLICIES", "PAYLOAD_FIELDS", "ProcessImageRecords", "RecordFormat"]
-
-
-#: What ``oversized`` may say about a record longer than a row.
-OVERSIZED_POLICIES = ("drop", "error")
+__all__ = ["IMAGE_REASONS", "PAYLOAD_FIELDS", "ProcessImageRecords", "RecordFormat", "decode_image", "describe_entry"]
 
 #: Why an image-text record can be bad: reason -> meaning (``loader.stats()`` keys, besides ``longer_than_row``).
 IMAGE_REASONS: dict[str, str] = {
@@ -73,8 +69,6 @@ PAYLOAD_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
-
-
 class RecordFormat:
     """Field names of the record format (``records`` in YAML).
 
@@ -95,17 +89,14 @@ class RecordFormat:
         self.image_marker = image_marker
 
 
-def _describe(value: Any) -> str:
-    """``null``, ``42 (int)``, ``b'...' (12 bytes)``: a value for a message, cut short."""
-    if value is None:
-        return "null"
+def describe_entry(value: Any) -> str:
+    """:func:`~zephon_loader.pipeline.records.describe`, but encoded bytes as ``b'...'... (12 bytes)``.
+
+    Bytes show their first 12 bytes and their size (an image's bytes are no use in a message).
+    """
     if isinstance(value, (bytes, bytearray)):
         return f"{bytes(value[:12])!r}... ({len(value)} bytes)"
-    try:
-        text = json.dumps(value, default=repr, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return (text if len(text) <= 60 else text[:57] + "...") + f" ({type(value).__name__})"
+    return describe(value)
 
 
 def decode_image(data: bytes | str, field: str) -> tuple[Any, Problem | None]:
@@ -124,14 +115,14 @@ def decode_image(data: bytes | str, field: str) -> tuple[Any, Problem | None]:
         image = Image.open(data if isinstance(data, str) else io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        seen = repr(data) if isinstance(data, str) else _describe(data)
+        seen = repr(data) if isinstance(data, str) else describe_entry(data)
         return None, ("image_unreadable", field, f"{seen} that Pillow cannot decode ({type(error).__name__}: "
                       f"{str(error)[:80]})", "an image Pillow can decode (PNG, JPEG, ...)",
                       "Re-encode or remove the image.")
     return image, None
 
 
-class ProcessImageRecords:
+class ProcessImageRecords(RecordOperator):
     """The Zephon operator (``process_many``): raw records in, processed payloads (or tombstones) out.
 
     Picklable (Zephon deep-copies it per worker thread and pickles it for the
@@ -150,26 +141,18 @@ class ProcessImageRecords:
         log: Drop events (read by ``loader.stats()``).
     """
 
+    records_name = "image-text records"
+    describe = staticmethod(describe_entry)
+
     def __init__(self, *, processor: Any, record_format: RecordFormat, shards: ShardTable, policy: str,
                  oversized: str, row_capacity: int, max_record_tokens: int | None, log: DropLog) -> None:
-        if policy not in BAD_RECORD_POLICIES:
-            raise ValueError(f"on_bad_record: got {policy!r}, expected one of {list(BAD_RECORD_POLICIES)}")
-        if oversized not in OVERSIZED_POLICIES:
-            raise ValueError(f"packing.oversized: got {oversized!r}, expected one of {list(OVERSIZED_POLICIES)}")
+        super().__init__(shards=shards, policy=policy, log=log, oversized=oversized)
         self.processor = processor
         self.format = record_format
-        self.shards = shards
-        self.policy = policy
-        self.oversized = oversized
         self.row_capacity = int(row_capacity)
         self.max_record_tokens = max_record_tokens
-        self.log = log
         self.owner = type(processor).__name__
         self.eligibility = bool(processor.attention_eligibility)
-
-    # -- Zephon's entry point ----------------------------------------------------------------
-    def __call__(self, elems: list[Any]) -> list[Any]:
-        return check_records(elems, lambda raw, meta: self.process(raw, meta.sample_id), self._refuse_or_count)
 
     def process(self, raw: Any, sample_id: Any) -> tuple[dict[str, Any] | None, Problem | None]:
         """One record: ``(payload, None)``, or ``(partial payload or None, problem)``."""
@@ -199,22 +182,21 @@ class ProcessImageRecords:
     # -- the steps -------------------------------------------------------------------------
     def _decode(self, raw: Any, sample_id: Any) -> tuple[ImageTextRecord | None, Problem | None]:
         fmt = self.format
-        if not isinstance(raw, Mapping):
-            return None, ("not_an_object", "<record>", _describe(raw),
-                          f"an object with {fmt.text_field!r} and {fmt.images_field!r}", "Write one object per record.")
-        if fmt.text_field not in raw:
-            return None, ("missing_field", fmt.text_field, f"a record with keys {sorted(map(str, raw))[:8]}",
-                          f"a record containing {fmt.text_field!r}", f"Add {fmt.text_field!r} to every record.")
+        problem = self.require_field(raw, fmt.text_field, f"Add {fmt.text_field!r} to every record.",
+                                     expected=f"an object with {fmt.text_field!r} and {fmt.images_field!r}",
+                                     object_fix="Write one object per record.")
+        if problem is not None:
+            return None, problem
         text = raw[fmt.text_field]
         if not isinstance(text, str):
-            return None, ("wrong_type", fmt.text_field, _describe(text), "a string",
+            return None, ("wrong_type", fmt.text_field, self.describe(text), "a string",
                           f"Store the text as a string with one {fmt.image_marker!r} per image.")
         entries = raw.get(fmt.images_field)
         entries = [] if entries is None else entries
         if isinstance(entries, np.ndarray):
             entries = entries.tolist()
         if not isinstance(entries, (list, tuple)):
-            return None, ("wrong_type", fmt.images_field, _describe(entries), "a list (one entry per marker)",
+            return None, ("wrong_type", fmt.images_field, self.describe(entries), "a list (one entry per marker)",
                           "Store the images as a list.")
         markers = text.count(fmt.image_marker)
         if markers != len(entries):
@@ -222,7 +204,7 @@ class ProcessImageRecords:
                           f"{fmt.image_marker!r} markers in {fmt.text_field!r}", "one image per marker",
                           "Add or remove markers or images so that they match.")
         if not entries and not text.strip():
-            return None, ("empty", fmt.text_field, _describe(text), "text or at least one image",
+            return None, ("empty", fmt.text_field, self.describe(text), "text or at least one image",
                           "Remove empty records.")
         kind, folder = self._shard_kind(sample_id)
         images = []
@@ -230,12 +212,12 @@ class ProcessImageRecords:
             field = f"{fmt.images_field}[{index}]"
             if kind == "parquet":
                 if not isinstance(entry, (bytes, bytearray)):
-                    return None, ("wrong_type", field, _describe(entry), "the encoded image bytes (Parquet shards)",
+                    return None, ("wrong_type", field, self.describe(entry), "the encoded image bytes (Parquet shards)",
                                   "Store images as a list<binary> column of PNG/JPEG bytes.")
                 data: bytes | str = bytes(entry)
             else:
                 if not isinstance(entry, str) or not entry:
-                    return None, ("wrong_type", field, _describe(entry), "an image file path (JSONL shards)",
+                    return None, ("wrong_type", field, self.describe(entry), "an image file path (JSONL shards)",
                                   "Store each image as a path relative to the shard's folder.")
                 data = entry if os.path.isabs(entry) else os.path.join(folder, entry)
             image, problem = decode_image(data, field)
@@ -271,24 +253,6 @@ class ProcessImageRecords:
             payload[F.ATTENTION_ELIGIBILITY] = processed.attention_eligibility
         return payload
 
-    def _refuse_or_count(self, meta: Any, problem: Problem, payload: Mapping[str, Any] | None) -> None:
-        refuse = (self.oversized if problem[0] == LONGER_THAN_ROW else self.policy) == "error"
-        tokens = int(len(payload[ZephonKeys.TOKENS])) if payload is not None else None
-        refuse_or_log_drop(self.shards, self.log, meta, problem, tokens, refuse=refuse, what="image-text records")
-
     def sample_payload(self) -> dict[str, Any]:
-        """A valid raw record (text only) for Zephon's operator validator, marked so a refusal is never counted."""
-        return {self.format.text_field: "a", self.format.images_field: [], VALIDATION_KEY: True}
-
-    def validation_samples(self) -> list[Any]:
-        """Valid records on two lanes for Zephon's operator validator."""
-        from zephon.types import SampleMeta, SampleRecord
-
-        return [
-            SampleRecord(meta=SampleMeta(sample_id=(0, 0, i), lane_id=i % 2, chunk_id=0, chunk_offset=i),
-                         payload=self.sample_payload())
-            for i in range(4)
-        ]
-
-
-#: (log path, reason) pairs already logged by this process: logged once per reason.
+        """A valid raw record (text only) for Zephon's operator validator."""
+        return {self.format.text_field: "a", self.format.images_field: []}

@@ -80,8 +80,7 @@ class ShardTable:
         line = _physical_line(file, index)
         return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")
 
-
-    def unparsable(self, error: Exception) -> "BadRecordError":
+    def unparsable(self, error: Exception) -> BadRecordError:
         """The error for a JSONL line Zephon's reader could not parse, naming the shard and line.
 
         Zephon's ``json.loads`` sees one line, so its own message says "line 1";
@@ -106,7 +105,8 @@ class ShardTable:
                             return BadRecordError(
                                 f"source {src.name!r}, shard {file}, line {number}: not valid JSON ({bad.msg} at "
                                 f"column {bad.colno}): {line.strip()[:60]!r}. Fix or remove the line; a line that "
-                                "does not parse is an error even under on_bad_record: skip (Zephon's reader fails on it)."
+                                "does not parse is an error even under on_bad_record: skip "
+                                "(Zephon's reader fails on it)."
                             )
         return BadRecordError(f"a JSONL shard holds a line that is not valid JSON ({error}); none found on re-reading "
                               "the shards: were they changed while the loader ran?")

@@ -1,43 +1,44 @@
-"""What a valid record is, where a record came from, and the bad-record policy.
+"""The record-operator base class and the text record checks.
 
-Two Zephon operators run on every record (they see Zephon's ``SampleRecord``,
-so every message names the record's source, shard file and line/row):
+:class:`RecordOperator` is a Zephon ``process_many`` callable that looks at
+each record once (it sees Zephon's ``SampleRecord``, so every message names the
+record's source, shard file and line/row) and keeps it, refuses it or leaves it
+out. Its subclasses each implement :meth:`RecordOperator.process` for one
+record:
 
 * :class:`CheckRawRecords` before tokenization (text and chat input): the
   record is a JSON object, the text (or messages) field is there and has the
   right type, chat contents hold no special-token strings, the record is not
   larger than ``max_record_bytes``.
-* :class:`CheckTokens` after tokenization (every mode; it replaces the old
-  ``KeepTokenFields``): token ids are a non-empty 1-D integer list inside the
-  vocabulary, per-token fields (loss mask, eligibility) are as long as the
-  tokens, the record is not longer than ``max_record_tokens``; then it keeps
-  only the fields packing needs. With ``first_fit``/``best_fit`` it also drops
-  (and counts, never errors) records longer than a row, before Zephon's packer
-  would drop them with only a log line.
+* :class:`CheckTokens` after tokenization (every mode): token ids are a
+  non-empty 1-D integer list inside the vocabulary, per-token fields (loss
+  mask, eligibility) are as long as the tokens, the record is not longer than
+  ``max_record_tokens``; then it keeps only the fields packing needs. With
+  ``first_fit``/``best_fit`` it also drops (and counts, never errors) records
+  longer than a row, before Zephon's packer would drop them with only a log line.
+* :class:`~zephon_loader.pipeline.image_records.ProcessImageRecords` for
+  image-text records.
 
 Policy (``on_bad_record``):
 
 * ``"error"`` (default): the first bad record stops the stream with a
-  :class:`BadRecordError` naming the source, shard file, line (JSONL, 1-based)
-  or row (Parquet, 0-based), the field, what was seen and what was expected.
+  :class:`~zephon_loader.errors.BadRecordError` naming the source, shard file,
+  line (JSONL, 1-based) or row (Parquet, 0-based), the field, what was seen and
+  what was expected.
 * ``"skip"``: the record is left out (Zephon gets a tombstone, so its
-  checkpoints stay exact), counted by reason in :class:`DropLog`, and logged
-  once per reason with its first location.
+  checkpoints stay exact), counted by reason in the
+  :class:`~zephon_loader.pipeline.provenance.DropLog`, and logged once per
+  reason with its first location.
 
-A :class:`DropLog` is an append-only JSONL file of drop events shared by every
-Zephon worker (threads or processes): one line per dropped record, keyed by the
-record's cursor so a record read twice (a resume replays from a chunk start)
-counts once. :mod:`zephon_loader.stats` reads it.
+A record longer than a row (:data:`LONGER_THAN_ROW`) follows ``oversized``
+instead: ``"drop"`` (the text checks always drop it) or ``"error"``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,20 +51,25 @@ from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 __all__ = [
     "BAD_RECORD_POLICIES",
     "LONGER_THAN_ROW",
+    "OVERSIZED_POLICIES",
     "REASONS",
     "CheckRawRecords",
     "CheckTokens",
     "Problem",
+    "RecordOperator",
     "VALIDATION_KEY",
-    "check_records",
-    "refuse_or_log_drop",
+    "describe",
+    "missing_field",
 ]
 
 logger = logging.getLogger("zephon_loader.pipeline.records")
 
+#: What ``on_bad_record`` may say about a bad record.
 BAD_RECORD_POLICIES = ("error", "skip")
+#: What ``oversized`` may say about a record longer than a row.
+OVERSIZED_POLICIES = ("drop", "error")
 
-#: Why a record can be bad: reason -> what it means (the ``stats()`` keys).
+#: Why a text record can be bad: reason -> what it means (the ``stats()`` keys).
 REASONS: dict[str, str] = {
     "not_an_object": "the record is not a JSON object (null, a number, a string or a list)",
     "missing_field": "the configured field is absent",
@@ -75,14 +81,8 @@ REASONS: dict[str, str] = {
     "too_many_bytes": "the text is larger than max_record_bytes",
     "too_many_tokens": "the record has more tokens than max_record_tokens",
 }
-#: ``first_fit``/``best_fit`` cannot split a record longer than a row: dropped and counted, never an error.
+#: A record longer than a row: ``first_fit``/``best_fit`` cannot split it, and images are never split.
 LONGER_THAN_ROW = "longer_than_row"
-
-
-
-
-#: (log path, reason) pairs already logged by this process: "logged once per reason".
-_LOGGED: set[tuple[str, str]] = set()
 
 #: Marks the records the operators make for Zephon's operator validator (run at the first ``iter()``
 #: on each operator's ``validation_samples``): one the configuration refuses (a small
@@ -92,145 +92,12 @@ VALIDATION_KEY = "_zephon_loader_validation_sample"
 #: What a check found wrong with a record: ``(reason, field, seen, expected, fix)``.
 Problem = tuple[str, str, Any, str, str]
 
-
-def refuse_or_log_drop(
-    shards: ShardTable, log: DropLog, meta: Any, problem: Problem, tokens: int | None, *, refuse: bool,
-    what: str = "records",
-) -> None:
-    """Raise :class:`BadRecordError` for a bad record, or append its drop event and warn once per reason.
-
-    Args:
-        shards: Names the record's source, shard file and line/row.
-        log: The drop log the loader's stats read.
-        meta: The record's Zephon ``SampleMeta`` (its cursor key identifies the event).
-        problem: ``(reason, field, seen, expected, fix)``.
-        tokens: The record's token count, if known.
-        refuse: Raise instead of logging (``on_bad_record: error``; ``oversized: error`` for images).
-        what: Names the records in the one warning per reason.
-    """
-    reason, field, seen, expected, fix = problem
-    where = shards.where(meta.sample_id)
-    if refuse:
-        hint = ("" if reason == LONGER_THAN_ROW else
-                " (or set on_bad_record: skip to leave such records out, counted in loader.stats())")
-        raise BadRecordError(f"{where}: field {field!r} got {seen}, expected {expected}. {fix}{hint}")
-    log.append({
-        "key": [int(meta.lane_id), int(meta.chunk_id), int(meta.chunk_offset), list(meta.lineage)],
-        "sample": [int(x) for x in meta.sample_id],
-        "source": shards.source_name(meta.sample_id),
-        "reason": reason,
-        "tokens": tokens,
-        "where": where,
-    })
-    if (log.path, reason) not in _LOGGED:
-        _LOGGED.add((log.path, reason))
-        logger.warning("zephon_loader: dropping %s (%s), first at %s: field %r got %s, expected %s",
-                       what, reason, where, field, seen, expected)
+#: (log path, reason) pairs already logged by this process: "logged once per reason".
+_LOGGED: set[tuple[str, str]] = set()
 
 
-# ----------------------------------------------------------------------------- the operators
-
-
-class _RecordOp:
-    """Shared machinery: locate, refuse or skip (tombstone + count) a record.
-
-    Subclasses implement :meth:`check` ``payload -> (new payload, None)`` or
-    ``(None, (reason, field, seen, expected, fix))``. Instances are plain
-    picklable objects (Zephon deep-copies them per worker and cloudpickles them
-    for the process runner).
-    """
-
-    def __init__(self, *, shards: ShardTable, policy: str, log: DropLog) -> None:
-        if policy not in BAD_RECORD_POLICIES:
-            raise ValueError(f"on_bad_record: got {policy!r}, expected one of {list(BAD_RECORD_POLICIES)}")
-        self.shards = shards
-        self.policy = policy
-        self.log = log
-
-    def check(self, payload: Any) -> tuple[Any, Problem | None]:  # pragma: no cover
-        raise NotImplementedError
-
-    def sample_payload(self) -> dict[str, Any]:  # pragma: no cover
-        """A valid payload of the shape this check expects (for Zephon's operator validator)."""
-        raise NotImplementedError
-
-    def validation_samples(self) -> list[Any]:
-        """Valid records on two lanes for Zephon's operator validator (its synthetic ones would be "bad records")."""
-        from zephon.types import SampleMeta, SampleRecord
-
-        return [
-            SampleRecord(meta=SampleMeta(sample_id=(0, 0, i), lane_id=i % 2, chunk_id=0, chunk_offset=i),
-                         payload={**self.sample_payload(), VALIDATION_KEY: True})
-            for i in range(4)
-        ]
-
-    def __call__(self, elems: list[Any]) -> list[Any]:
-        return check_records(elems, lambda payload, meta: self.check(payload), self._refuse_or_count)
-
-    def _refuse_or_count(self, meta: Any, problem: Problem, payload: Any) -> None:
-        refuse = problem[0] != LONGER_THAN_ROW and self.policy == "error"
-        refuse_or_log_drop(self.shards, self.log, meta, problem, _token_count(payload), refuse=refuse)
-
-
-def check_records(
-    elems: list[Any],
-    check: Callable[[Any, Any], tuple[Any, Problem | None]],
-    on_problem: Callable[[Any, Problem, Any], None],
-) -> list[Any]:
-    """The body of a record operator's Zephon ``process_many``: check each record, keep, refuse or skip it.
-
-    Args:
-        elems: Zephon ``SampleRecord`` s (tombstones pass through).
-        check: ``(payload, meta) -> (new payload, None)`` or ``(partial payload or None, problem)``.
-        on_problem: Raises for a refused record or counts a skipped one (:func:`refuse_or_log_drop`);
-            not called for Zephon's validator samples (:data:`VALIDATION_KEY`).
-
-    Returns:
-        The kept records with their new payloads, and tombstones for the skipped
-        ones (Zephon's checkpoints stay exact).
-    """
-    from zephon.ops.children import tombstones_for_record
-
-    out: list[Any] = []
-    for elem in elems:
-        meta = elem.meta
-        if meta.tombstone:
-            out.append(elem)
-            continue
-        raw = elem.payload
-        payload, problem = check(raw, meta)
-        if problem is None:
-            elem.payload = payload
-            out.append(elem)
-            continue
-        if not (isinstance(raw, Mapping) and VALIDATION_KEY in raw):  # Zephon's validator: never counted
-            on_problem(meta, problem, payload)
-        out.extend(tombstones_for_record(elem))
-    return out
-
-
-def _token_count(payload: Any) -> int | None:
-    if isinstance(payload, Mapping) and ZEPHON_TOKENS_KEY in payload:
-        try:
-            return int(len(payload[ZEPHON_TOKENS_KEY]))
-        except TypeError:
-            return None
-    return None
-
-
-def _field_problem(payload: Any, field: str, fix: str) -> tuple[str, str, Any, str, str] | None:
-    """``not_an_object`` / ``missing_field`` for a payload that is not a mapping holding ``field``, else ``None``."""
-    if not isinstance(payload, Mapping):
-        return ("not_an_object", "<record>", _describe(payload), f"a JSON object with a {field!r} field",
-                "Write one JSON object per record.")
-    if field not in payload:
-        return ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
-                f"a record containing {field!r}", fix)
-    return None
-
-
-def _describe(value: Any) -> str:
-    """``null``, ``42 (int)``, ``["a", "b"] (list)``: the value as JSON, cut short, and its type."""
+def describe(value: Any) -> str:
+    """``null``, ``42 (int)``, ``["a", "b"] (list)``: the value as JSON, cut to 60 characters, and its type."""
     if value is None:
         return "null"
     try:
@@ -241,7 +108,148 @@ def _describe(value: Any) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-class CheckRawRecords(_RecordOp):
+def missing_field(payload: Mapping[str, Any], field: str, fix: str) -> Problem:
+    """The ``missing_field`` problem of a record that lacks ``field`` (naming its first 8 keys)."""
+    return ("missing_field", field, f"a record with keys {sorted(map(str, payload))[:8]}",
+            f"a record containing {field!r}", fix)
+
+
+class RecordOperator:
+    """A Zephon ``process_many`` operator: each record is processed, then kept, refused or left out.
+
+    Subclasses implement :meth:`process` (one record) and :meth:`sample_payload`
+    (a valid one, for Zephon's operator validator). Instances are plain
+    picklable objects (Zephon deep-copies them per worker thread and
+    cloudpickles them for the ``process`` runner).
+
+    Args:
+        shards: Names a record's source, shard file and line/row.
+        policy: ``on_bad_record``: ``error`` or ``skip``.
+        log: Drop events (read by ``loader.stats()``).
+        oversized: ``drop`` or ``error`` for a record longer than a row (:data:`LONGER_THAN_ROW`).
+    """
+
+    #: Names the records in the one warning per drop reason.
+    records_name = "records"
+    #: A value for a message (see :func:`describe`).
+    describe = staticmethod(describe)
+
+    def __init__(self, *, shards: ShardTable, policy: str, log: DropLog, oversized: str = "drop") -> None:
+        if policy not in BAD_RECORD_POLICIES:
+            raise ValueError(f"on_bad_record: got {policy!r}, expected one of {list(BAD_RECORD_POLICIES)}")
+        if oversized not in OVERSIZED_POLICIES:
+            raise ValueError(f"packing.oversized: got {oversized!r}, expected one of {list(OVERSIZED_POLICIES)}")
+        self.shards = shards
+        self.policy = policy
+        self.log = log
+        self.oversized = oversized
+
+    def process(self, payload: Any, sample_id: Any) -> tuple[Any, Problem | None]:  # pragma: no cover
+        """One record: ``(new payload, None)``, or ``(partial payload or None, problem)``."""
+        raise NotImplementedError
+
+    def sample_payload(self) -> dict[str, Any]:  # pragma: no cover
+        """A valid payload of the shape :meth:`process` expects (for Zephon's operator validator)."""
+        raise NotImplementedError
+
+    def validation_samples(self) -> list[Any]:
+        """Valid records on two lanes for Zephon's operator validator (its synthetic ones would be bad records).
+
+        Each is marked with :data:`VALIDATION_KEY`, so one the configuration refuses is never counted as a drop.
+        """
+        from zephon.types import SampleMeta, SampleRecord
+
+        return [
+            SampleRecord(meta=SampleMeta(sample_id=(0, 0, i), lane_id=i % 2, chunk_id=0, chunk_offset=i),
+                         payload={**self.sample_payload(), VALIDATION_KEY: True})
+            for i in range(4)
+        ]
+
+    def __call__(self, elems: list[Any]) -> list[Any]:
+        """Zephon's ``process_many``: ``SampleRecord`` s in (tombstones pass through), kept records out.
+
+        A kept record gets its new payload; a bad one is refused (raises) or
+        left out as tombstones (Zephon's checkpoints stay exact) and counted,
+        except Zephon's validator samples (:data:`VALIDATION_KEY`), which are
+        left out uncounted.
+        """
+        from zephon.ops.children import tombstones_for_record
+
+        out: list[Any] = []
+        for elem in elems:
+            meta = elem.meta
+            if meta.tombstone:
+                out.append(elem)
+                continue
+            raw = elem.payload
+            payload, problem = self.process(raw, meta.sample_id)
+            if problem is None:
+                elem.payload = payload
+                out.append(elem)
+                continue
+            if not (isinstance(raw, Mapping) and VALIDATION_KEY in raw):
+                self.refuse_or_count(meta, problem, payload)
+            out.extend(tombstones_for_record(elem))
+        return out
+
+    def refuse_or_count(self, meta: Any, problem: Problem, payload: Any) -> None:
+        """Raise :class:`BadRecordError` for a refused record, or append its drop event and warn once per reason.
+
+        Args:
+            meta: The record's Zephon ``SampleMeta`` (its cursor key identifies the event).
+            problem: ``(reason, field, seen, expected, fix)``.
+            payload: What :meth:`process` returned with the problem (its token count is logged, if known).
+        """
+        reason, field, seen, expected, fix = problem
+        where = self.shards.where(meta.sample_id)
+        if (self.oversized if reason == LONGER_THAN_ROW else self.policy) == "error":
+            hint = ("" if reason == LONGER_THAN_ROW else
+                    " (or set on_bad_record: skip to leave such records out, counted in loader.stats())")
+            raise BadRecordError(f"{where}: field {field!r} got {seen}, expected {expected}. {fix}{hint}")
+        self.log.append({
+            "key": [int(meta.lane_id), int(meta.chunk_id), int(meta.chunk_offset), list(meta.lineage)],
+            "sample": [int(x) for x in meta.sample_id],
+            "source": self.shards.source_name(meta.sample_id),
+            "reason": reason,
+            "tokens": _token_count(payload),
+            "where": where,
+        })
+        if (self.log.path, reason) not in _LOGGED:
+            _LOGGED.add((self.log.path, reason))
+            logger.warning("zephon_loader: dropping %s (%s), first at %s: field %r got %s, expected %s",
+                           self.records_name, reason, where, field, seen, expected)
+
+    def require_field(self, payload: Any, field: str, fix: str, *, expected: str | None = None,
+                      object_fix: str = "Write one JSON object per record.") -> Problem | None:
+        """``not_an_object`` / ``missing_field`` for a payload that is not a mapping holding ``field``, else ``None``.
+
+        Args:
+            fix: How to fix a missing field.
+            expected: What the record should be (default: a JSON object with a ``field`` field).
+            object_fix: How to fix a record that is not an object.
+        """
+        if not isinstance(payload, Mapping):
+            return ("not_an_object", "<record>", self.describe(payload),
+                    expected or f"a JSON object with a {field!r} field", object_fix)
+        if field not in payload:
+            return missing_field(payload, field, fix)
+        return None
+
+
+def _token_count(payload: Any) -> int | None:
+    """The length of a payload's token field, or ``None`` when there is none."""
+    if isinstance(payload, Mapping) and ZEPHON_TOKENS_KEY in payload:
+        try:
+            return int(len(payload[ZEPHON_TOKENS_KEY]))
+        except TypeError:
+            return None
+    return None
+
+
+# ----------------------------------------------------------------------------- the text checks
+
+
+class CheckRawRecords(RecordOperator):
     """Before tokenization: the record is an object whose text / messages field is well typed.
 
     Args:
@@ -251,6 +259,7 @@ class CheckRawRecords(_RecordOp):
         max_record_bytes: Largest UTF-8 size of the text (chat: of all contents); ``None`` = no limit.
         special_strings: The tokenizer's special-token strings; refused inside chat
             contents (the rendered chat template is tokenized with them as control tokens).
+        **kwargs: ``shards``, ``policy``, ``log`` (:class:`RecordOperator`).
     """
 
     def __init__(self, *, mode: str, field: str, max_record_bytes: int | None, special_strings: Sequence[str] = (),
@@ -261,19 +270,20 @@ class CheckRawRecords(_RecordOp):
         self.max_record_bytes = max_record_bytes
         self.special_strings = tuple(s for s in special_strings if s)
 
-    def check(self, payload: Any) -> tuple[Any, Problem | None]:
+    def process(self, payload: Any, sample_id: Any) -> tuple[Any, Problem | None]:
+        """The record unchanged, or ``(None, problem)``."""
         field = self.field
-        problem = _field_problem(payload, field, f"Add {field!r} to every record or set the field name.")
+        problem = self.require_field(payload, field, f"Add {field!r} to every record or set the field name.")
         if problem is not None:
             return None, problem
         value = payload[field]
         if self.mode == "text":
             if not isinstance(value, str):
-                return None, ("wrong_type", field, _describe(value), "a string",
+                return None, ("wrong_type", field, self.describe(value), "a string",
                               "Store the document text as one JSON string.")
             size = len(value.encode("utf-8"))
             if not value.strip():
-                return None, ("empty", field, _describe(value), "non-blank text", "Remove empty records.")
+                return None, ("empty", field, self.describe(value), "non-blank text", "Remove empty records.")
         else:
             problem = self._check_messages(value)
             if problem is not None:
@@ -289,17 +299,17 @@ class CheckRawRecords(_RecordOp):
             return {self.field: "a valid document"}
         return {self.field: [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
-    def _check_messages(self, value: Any) -> tuple[str, str, Any, str, str] | None:
+    def _check_messages(self, value: Any) -> Problem | None:
         field = self.field
         expected = "a non-empty list of {'role': str, 'content': str}"
         if not isinstance(value, list):
-            return ("wrong_type", field, _describe(value), expected, "Store the chat as a list.")
+            return ("wrong_type", field, self.describe(value), expected, "Store the chat as a list.")
         if not value:
             return ("empty", field, "[]", expected, "Remove empty conversations.")
         for i, message in enumerate(value):
             if (not isinstance(message, Mapping) or not isinstance(message.get("role"), str)
                     or not isinstance(message.get("content"), str)):
-                return ("wrong_type", f"{field}[{i}]", _describe(message), "{'role': str, 'content': str}",
+                return ("wrong_type", f"{field}[{i}]", self.describe(message), "{'role': str, 'content': str}",
                         "Give every message a string role and content.")
             for special in self.special_strings:
                 if special in message["content"]:
@@ -310,13 +320,14 @@ class CheckRawRecords(_RecordOp):
         return None
 
 
-class CheckTokens(_RecordOp):
+class CheckTokens(RecordOperator):
     """After tokenization (or on pretokenized records): keep what packing needs, checked.
 
     ``pack_flat`` slices every payload value that has a length as if it were
     per-token (the Parquet pitfall), so only the token field (renamed to
-    Zephon's ``input_ids``), the chat loss mask and the eligibility field
-    (renamed to ``fields.ATTENTION_ELIGIBILITY``) are kept.
+    Zephon's ``input_ids``, int64 ``[n]``), the chat loss mask (uint8 ``[n]``)
+    and the eligibility field (renamed to ``fields.ATTENTION_ELIGIBILITY``,
+    bool ``[n]``) are kept.
 
     Args:
         tokens_field: Token id field (``input_ids`` after Zephon's tokenizer, or the pretokenized column).
@@ -325,6 +336,7 @@ class CheckTokens(_RecordOp):
         row_capacity: With ``first_fit``/``best_fit``, ``L + 1``: longer records are
             dropped and counted as :data:`LONGER_THAN_ROW`; ``None`` for the wrap algorithms.
         eligibility_field, loss_mask_field: Optional per-token fields to keep.
+        **kwargs: ``shards``, ``policy``, ``log`` (:class:`RecordOperator`).
     """
 
     def __init__(self, *, tokens_field: str, vocab_size: int | None, max_record_tokens: int | None,
@@ -338,15 +350,16 @@ class CheckTokens(_RecordOp):
         self.eligibility_field = eligibility_field
         self.loss_mask_field = loss_mask_field
 
-    def check(self, payload: Any) -> tuple[Any, Problem | None]:
+    def process(self, payload: Any, sample_id: Any) -> tuple[Any, Problem | None]:
+        """The kept fields as numpy arrays, with the problem of a record that is too long (or ``(None, problem)``)."""
         field = self.tokens_field
-        problem = _field_problem(payload, field, "Set pretokenized_field to the column of token ids.")
+        problem = self.require_field(payload, field, "Set pretokenized_field to the column of token ids.")
         if problem is not None:
             return None, problem
         raw = payload[field]
         tokens = _int_array(raw)
         if tokens is None:
-            return None, ("wrong_type", field, _describe(raw), "a list of integer token ids",
+            return None, ("wrong_type", field, self.describe(raw), "a list of integer token ids",
                           "Store one list of ints per record.")
         if tokens.size == 0:
             return None, ("empty", field, "[]", "at least one token id", "Remove empty records.")
@@ -364,8 +377,7 @@ class CheckTokens(_RecordOp):
             if src is None:
                 continue
             if src not in payload:
-                return None, ("missing_field", src, f"a record with keys {sorted(map(str, payload))[:8]}",
-                              f"a record containing {src!r}", "Add the per-token field to every record or unset it.")
+                return None, missing_field(payload, src, "Add the per-token field to every record or unset it.")
             values = np.asarray(payload[src])
             if values.shape != tokens.shape:
                 return None, ("misaligned_field", src, f"shape {values.shape}", f"one value per token, {tokens.shape}",
@@ -379,7 +391,6 @@ class CheckTokens(_RecordOp):
             return out, (LONGER_THAN_ROW, field, f"{n} tokens", f"at most {self.row_capacity} (one row)",
                          "Use packing.algorithm: wrap to split long documents.")
         return out, None
-
 
     def sample_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {self.tokens_field: [0, 0, 0]}
