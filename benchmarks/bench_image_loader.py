@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from zephon_loader import fields as F
-from zephon_loader.build_image import build_image_loader, resolve_processor
+from zephon_loader.build import build_image_loader
+from zephon_loader.stages import resolve_processor
 from zephon_loader.config import read_loader_config
 from zephon_loader.config.image import DEFAULT_PROCESSOR_PARALLELISM, ImageLoaderConfig, default_image_config_path
 from zephon_loader.pipeline.image_records import decode_image

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.automodel
 
 def _load_pp_media():
     """AutoModel's ``vlm/pp_media.py`` (torch only). Its package ``__init__`` imports Hugging Face ``datasets``,
-    which the ``--no-deps`` test install lacks; registering the module lets ``zephon_loader.integrations.image_recipe``
+    which the ``--no-deps`` test install lacks; registering the module lets ``zephon_loader.integrations.recipe``
     import it the way it does inside a full AutoModel install."""
     import sys
 

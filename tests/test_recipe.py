@@ -36,7 +36,7 @@ from nemo_automodel.components.training.rng import ScopedRNG  # noqa: E402
 
 from conftest import collect, train_tokenizer  # noqa: E402
 from zephon_loader import ZephonDataloaderConfig, build_text_loader  # noqa: E402
-from zephon_loader import build as builders  # noqa: E402
+from zephon_loader import stages as builders  # noqa: E402
 from zephon_loader import fields as F  # noqa: E402
 from zephon_loader.loader import ZephonLoader  # noqa: E402
 

@@ -1,8 +1,11 @@
-"""Builders: configuration → validated contract → Zephon pipeline → ZephonLoader.
+"""Builders: configuration → contract → final-map settings → DP coordinates → Zephon pipeline → nodes → loader.
 
-The packing contract is checked first, once, before any Zephon source or
-worker starts (SPEC §5): a loader that cannot serve the model never begins
-reading data.
+:func:`build_loader` is the one sequence, read top to bottom; what differs per
+kind of record is asked of its :class:`~zephon_loader.stages.Stage`.
+:func:`build_text_loader` and :func:`build_image_loader` read the config and
+pick the stage. The packing contract is checked first, once, before any
+Zephon source or worker starts: a loader that cannot serve the model never
+begins reading data.
 """
 
 from __future__ import annotations
@@ -15,64 +18,114 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
-from zephon_loader.collate.text import collate
-from zephon_loader.config import TextLoaderConfig, read_loader_config
-from zephon_loader.finalize.final_map import FinalizeSettings
-from zephon_loader.fingerprint import shard_list_fingerprint, tokenizer_fingerprint
-from zephon_loader.loader import ZephonLoader
+from zephon_loader import fields as F
+from zephon_loader.config import ImageLoaderConfig, LoaderConfig, TextLoaderConfig, read_loader_config
 from zephon_loader.contract import PackingContract, validate_packing_contract
-from zephon_loader.pipeline.text import BuiltPipeline, DataParallel, build_pipeline
+from zephon_loader.finalize import FinalizeSettings
+from zephon_loader.fingerprint import shard_list_fingerprint
+from zephon_loader.loader import ZephonLoader
 from zephon_loader.nodes.source import ZephonSource
+from zephon_loader.pipeline.text import DataParallel
+from zephon_loader.stages import ImageStage, Stage, TextStage
 from zephon_loader.stats import CountingCollate, LoaderStats
 
+__all__ = ["ImageLoader", "build_image_loader", "build_loader", "build_text_loader", "data_parallel",
+           "epoch_run_id_suffix", "epoch_seed", "resolve_contract", "stream_fingerprint"]
 
-def resolve_contract(config: TextLoaderConfig, packing_contract: object | None) -> PackingContract:
-    """The contract to serve: the model's (``packing_contract``) or the configured one.
 
-    A model contract without ``qkv_format`` (AutoModel 0.7.0's
-    ``PackingCapabilities`` has none) takes the YAML's ``qkv_format``: THD is a
-    layout the loader adds on top of the mask representation.
+class ImageLoader(ZephonLoader):
+    """A :class:`~zephon_loader.loader.ZephonLoader` of image-text batches that knows its processor."""
 
-    Returns:
-        The contract as a frozen :class:`~zephon_loader.packing.PackingContract`:
-        the model's is validated here (its one check), the YAML's was when the
-        configuration built it. Nothing downstream validates it again.
+    def __init__(self, *args: Any, processor: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._processor = processor
+
+    @property
+    def processor(self) -> Any:
+        """The record processor this loader runs (e.g. a :class:`~zephon_loader.processors.Qwen2VLRecordProcessor`)."""
+        return self._processor
+
+    @property
+    def yielded_fields(self) -> tuple[str, ...]:
+        """Names every yielded batch carries; ``pixel_values``/``image_grid_thw`` come only with an image."""
+        return self.settings.yielded_fields + F.IMAGE_ALWAYS
+
+
+def build_loader(
+    cfg: LoaderConfig,
+    stage: Stage,
+    *,
+    packing_contract: object | None = None,
+    dp_rank: int | None = None,
+    dp_world_size: int | None = None,
+    dp_group: Any = None,
+    collate_wrapper: Callable | None = None,
+    dataset_build_context: ContextManager[Any] | None = None,
+    pin_memory: bool | None = None,
+) -> ZephonLoader:
+    """Build a loader of ``cfg`` with ``stage`` (see :func:`build_text_loader` for the arguments).
+
+    Steps, in order; nothing reads data before every check passed:
+
+    1. the contract: the model's or the YAML's (:func:`resolve_contract`), and the stage's refusals;
+    2. the final-map settings it implies (eligibility as far as known: a processor may add it in step 4);
+    3. this rank's data-parallel coordinates (:func:`data_parallel`);
+    4. inside ``dataset_build_context`` (entered once): the stage's ``prepare`` (tokenizer folder,
+       processor), then the Zephon pipeline, in a work folder the loader owns;
+    5. the final-map settings again, if the processor brought eligibility;
+    6. the nodes and the loader: source (rebuilt per epoch), collate, final map, accounting, fingerprint.
 
     Raises:
-        TypeError/ValueError: The model's contract is malformed, or both are
-            given and disagree on mask type or metadata (the model's contract
-            wins only when the YAML leaves ``contract`` unset).
+        TypeError/ValueError: Bad configuration, contract or processor, before anything starts.
     """
-    if packing_contract is None:
-        return config.packing_contract()
-    model = PackingContract.of(packing_contract)
-    if config.contract is None:
-        return model
-    configured = config.packing_contract()
-    if not hasattr(packing_contract, "qkv_format") and configured.qkv_format != model.qkv_format:
-        model = PackingContract(model.packed_mask_type, model.requires_packed_sequence_metadata, configured.qkv_format)
-    if model != configured:
-        raise ValueError(
-            f"dataloader.contract: the YAML asks for {configured.fields} (mask type, metadata, qkv format) but the "
-            f"model requires {model.fields}; remove 'contract' from the YAML to follow the model, or make them agree"
-        )
-    return model
+    contract = resolve_contract(cfg, packing_contract)
+    stage.check_contract(contract)
+    finalize = partial(
+        FinalizeSettings.from_contract,
+        contract,
+        xdoc=cfg.xdoc,
+        return_packed_sequence_metadata=cfg.return_packed_sequence_metadata,
+        micro_batch_size=stage.micro_batch_size,
+        sequence_length=cfg.sequence_length,
+        block_mask_budget_bytes=cfg.block_mask_budget_bytes,
+    )
+    eligibility = stage.attention_eligibility
+    settings = finalize(attention_eligibility=eligibility)
+    dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
 
+    owned: list[str] = []
+    try:
+        with dataset_build_context or contextlib.nullcontext():
+            stage.prepare(owned)
+            if stage.attention_eligibility != eligibility:  # refuses contracts that cannot exclude a token in a record
+                settings = finalize(attention_eligibility=stage.attention_eligibility)
+            work_dir = tempfile.mkdtemp(prefix=stage.work_prefix)
+            owned.append(work_dir)
+            built = stage.build_pipeline(work_dir=work_dir, dp=dp)
+    except BaseException:
+        _remove(owned)
+        raise
 
-def _save_recipe_tokenizer(tokenizer: Any) -> str:
-    """Save the recipe's tokenizer object to a fresh local folder Zephon can load (never a hub id).
+    def pipeline_for_epoch(epoch: int) -> Any:
+        """The Zephon pipeline of one epoch: the same data and lanes, the epoch's shuffle seed."""
+        return stage.build_pipeline(work_dir=work_dir, dp=dp, seed=epoch_seed(cfg.seed, epoch),
+                                    run_id_suffix=epoch_run_id_suffix(epoch)).pipeline
 
-    The object itself is saved (not its ``name_or_path``), so tokens added in
-    memory are kept. The caller owns the folder and removes it on close.
-    """
-    if not hasattr(tokenizer, "save_pretrained"):
-        raise TypeError(
-            f"tokenizer: got {type(tokenizer).__name__} without save_pretrained; expected a Hugging Face tokenizer, "
-            "or set dataloader.tokenizer.path to a local tokenizer folder"
-        )
-    folder = tempfile.mkdtemp(prefix="zephon_loader_tokenizer_")
-    tokenizer.save_pretrained(folder)
-    return folder
+    fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, stage.micro_batch_size, stage.fingerprint(built))
+    extra = {"processor": stage.processor} if isinstance(stage, ImageStage) else {}
+    loader_class = ImageLoader if isinstance(stage, ImageStage) else ZephonLoader
+    return loader_class(
+        ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
+        CountingCollate(stage.collate(built)),
+        settings,
+        read_ahead=cfg.read_ahead,
+        collate_wrapper=collate_wrapper,
+        fingerprint=fingerprint,
+        pin_memory=pin_memory,
+        on_close=partial(_remove, owned),
+        stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons=stage.drop_reasons()),
+        **extra,
+    )
 
 
 def build_text_loader(
@@ -113,75 +166,92 @@ def build_text_loader(
         TypeError/ValueError: Bad configuration or contract, before anything starts.
     """
     cfg = read_loader_config(config)
-    contract = resolve_contract(cfg, packing_contract)
-    settings = FinalizeSettings.from_contract(
-        contract,
-        xdoc=cfg.xdoc,
-        return_packed_sequence_metadata=cfg.return_packed_sequence_metadata,
-        attention_eligibility=cfg.eligibility_field is not None,
-        micro_batch_size=cfg.micro_batch_size,
-        sequence_length=cfg.sequence_length,
-        block_mask_budget_bytes=cfg.block_mask_budget_bytes,
-    )
-    dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
+    return build_loader(cfg, TextStage(cfg, tokenizer), packing_contract=packing_contract, dp_rank=dp_rank,
+                        dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
+                        dataset_build_context=dataset_build_context, pin_memory=pin_memory)
 
-    owned: list[str] = []
-    tokenizer_dir: str | None = None
-    if cfg.tokenizer.path is None and cfg.input_mode != "pretokenized" and tokenizer is not None:
-        tokenizer_dir = _save_recipe_tokenizer(tokenizer)
-        owned.append(tokenizer_dir)
-    work_dir = tempfile.mkdtemp(prefix="zephon_loader_pipeline_")
-    owned.append(work_dir)
 
-    def pipeline_for_epoch(epoch: int) -> Any:
-        """The Zephon pipeline of one epoch: the same data and lanes, the epoch's shuffle seed."""
-        return build_pipeline(cfg, work_dir=work_dir, tokenizer_dir=tokenizer_dir, dp=dp,
-                              seed=epoch_seed(cfg.seed, epoch), run_id_suffix=epoch_run_id_suffix(epoch)).pipeline
+def build_image_loader(
+    config: ImageLoaderConfig | Mapping[str, Any] | str | Path,
+    *,
+    packing_contract: object | None = None,
+    processor: Any = None,
+    get_rope_index: Callable[..., Any] | None = None,
+    dp_rank: int | None = None,
+    dp_world_size: int | None = None,
+    dp_group: Any = None,
+    collate_wrapper: Callable | None = None,
+    dataset_build_context: ContextManager[Any] | None = None,
+    pin_memory: bool | None = None,
+    micro_batch_size: int | None = None,
+    model_path: str | None = None,
+) -> ImageLoader:
+    """Build an :class:`ImageLoader` over JSONL (image paths) or Parquet (image bytes) image-text shards.
 
-    try:
-        built: BuiltPipeline = _build_pipeline_in(
-            dataset_build_context, cfg, work_dir=work_dir, tokenizer_dir=tokenizer_dir, dp=dp)
-    except BaseException:
-        _remove(owned)
-        raise
-    mask_cross = cfg.labels_mask_cross_document
-    collate_fn = partial(
-        collate,
-        mask_cross_document_labels=mask_cross,
-        eos_mask_loss=cfg.eos_mask_loss,
-        eos_token_id=cfg.eos_token_id,
-        eligibility=cfg.eligibility_field is not None,
-        physical_cu_seqlens=False,  # the final map never yields them
-        # Zephon delivers the short batch of each flush and of the end of the stream: pad it to B rows.
-        micro_batch_size=cfg.micro_batch_size,
-        pad_token_id=built.pad_token_id,
-    )
-    tok = cfg.tokenizer
-    names = [source.name for source in cfg.sources]
-    fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, cfg.micro_batch_size, {
-        "tokenizer": [tok.text_field, tok.pretokenized_field, tok.chat_field, tok.special_tokens],
-        "tokenizer_files": tokenizer_fingerprint(str(built.tokenizer_dir) if built.tokenizer_dir else None),
-        "chat_template": [tok.chat_template, tok.chat_loss_scope],
-        "records": [cfg.on_bad_record, cfg.max_record_tokens, cfg.max_record_bytes],
-        "packing": [cfg.packing.algorithm, cfg.packing.num_bins, built.pad_token_id],
-        "eligibility_field": cfg.eligibility_field,
-        "label_masking": [mask_cross, cfg.eos_mask_loss, cfg.eos_token_id],
-    })
-    return ZephonLoader(
-        ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
-        CountingCollate(collate_fn),
-        settings,
-        read_ahead=cfg.read_ahead,
-        collate_wrapper=collate_wrapper,
-        fingerprint=fingerprint,
-        pin_memory=pin_memory,
-        on_close=partial(_remove, owned),
-        stats=LoaderStats(names, built.drop_log),
-    )
+    Args:
+        config: An :class:`~zephon_loader.config.ImageLoaderConfig`, its
+            YAML mapping, or a YAML path (its ``dataloader`` section).
+        packing_contract: The model's contract; ``None`` uses the YAML's
+            ``contract`` (default: block-causal, no metadata).
+        processor: A record processor object (:mod:`zephon_loader.processors`);
+            ``None``: the YAML's ``processor``.
+        get_rope_index: The model's ``get_rope_index``; when given, positions of
+            every record come from it (the processor must have ``bind_get_rope_index``).
+        dp_rank, dp_world_size, dp_group: As for :func:`build_text_loader`.
+        collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
+        dataset_build_context: Entered while the processor and the Zephon pipeline are built.
+        pin_memory: ``None`` = pin when CUDA is available.
+        micro_batch_size: ``B`` when the YAML leaves it unset (the recipe's batch
+            size); both given must agree.
+        model_path: The recipe's model folder: the built-in processor's folder
+            when the YAML names none (a hub id is refused).
+
+    Raises:
+        TypeError/ValueError: Bad configuration, contract or processor, before anything starts.
+    """
+    cfg = read_loader_config(config, ImageLoaderConfig)
+    stage = ImageStage(cfg, processor=processor, get_rope_index=get_rope_index, micro_batch_size=micro_batch_size,
+                       model_path=model_path)
+    return build_loader(cfg, stage, packing_contract=packing_contract, dp_rank=dp_rank,  # type: ignore[return-value]
+                        dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
+                        dataset_build_context=dataset_build_context, pin_memory=pin_memory)
+
+
+def resolve_contract(config: LoaderConfig, packing_contract: object | None) -> PackingContract:
+    """The contract to serve: the model's (``packing_contract``) or the configured one.
+
+    A model contract without ``qkv_format`` (AutoModel 0.7.0's
+    ``PackingCapabilities`` has none) takes the YAML's ``qkv_format``: THD is a
+    layout the loader adds on top of the mask representation.
+
+    Returns:
+        The contract as a frozen :class:`~zephon_loader.packing.PackingContract`:
+        the model's is validated here (its one check), the YAML's was when the
+        configuration built it. Nothing downstream validates it again.
+
+    Raises:
+        TypeError/ValueError: The model's contract is malformed, or both are
+            given and disagree on mask type or metadata (the model's contract
+            wins only when the YAML leaves ``contract`` unset).
+    """
+    if packing_contract is None:
+        return config.packing_contract()
+    model = PackingContract.of(packing_contract)
+    if config.contract is None:
+        return model
+    configured = config.packing_contract()
+    if not hasattr(packing_contract, "qkv_format") and configured.qkv_format != model.qkv_format:
+        model = PackingContract(model.packed_mask_type, model.requires_packed_sequence_metadata, configured.qkv_format)
+    if model != configured:
+        raise ValueError(
+            f"dataloader.contract: the YAML asks for {configured.fields} (mask type, metadata, qkv format) but the "
+            f"model requires {model.fields}; remove 'contract' from the YAML to follow the model, or make them agree"
+        )
+    return model
 
 
 def stream_fingerprint(
-    cfg: Any, shards: Any, dp: DataParallel, contract: object, micro_batch_size: int, specific: Mapping[str, Any]
+    cfg: LoaderConfig, shards: Any, dp: DataParallel, contract: object, micro_batch_size: int, specific: Mapping[str, Any]
 ) -> dict[str, Any]:
     """What fixes a loader's batch stream, as JSON: a state saved under another one is refused.
 
@@ -206,13 +276,13 @@ def stream_fingerprint(
         **specific,
     }
     for key, default in (("mixture", "repeat"), ("passes", 1)):
-        if getattr(cfg, key, default) != default:
+        if getattr(cfg, key) != default:
             fingerprint[key] = getattr(cfg, key)
     return fingerprint
 
 
 def data_parallel(
-    cfg: TextLoaderConfig, dp_rank: int | None, dp_world_size: int | None, dp_group: Any = None
+    cfg: LoaderConfig, dp_rank: int | None, dp_world_size: int | None, dp_group: Any = None
 ) -> DataParallel:
     """This rank's DP coordinates: the ones passed, else ``dp_group``'s, else torch.distributed's default
     group's, else one rank.
@@ -281,7 +351,7 @@ def _group_coordinates(group: Any) -> tuple[int, int]:
                          f"rank belongs to, or a 1-D DeviceMesh ({error})") from error
 
 
-def _config_digest(cfg: TextLoaderConfig) -> str:
+def _config_digest(cfg: LoaderConfig) -> str:
     """A short hash of the config (the same on every rank that reads the same YAML)."""
     return hashlib.sha256(repr(cfg).encode()).hexdigest()[:16]
 
@@ -299,12 +369,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
 def epoch_run_id_suffix(epoch: int) -> str:
     """Suffix of the aggregation run id per epoch: a new pipeline's rounds never meet the last epoch's files."""
     return "" if epoch == 0 else f".epoch{epoch}"
-
-
-def _build_pipeline_in(context: ContextManager[Any] | None, *args: Any, **kwargs: Any) -> Any:
-    """``build_pipeline`` inside the caller's context (AutoModel's rank ordering), if any."""
-    with context or contextlib.nullcontext():
-        return build_pipeline(*args, **kwargs)
 
 
 def _remove(folders: list[str]) -> None:

@@ -1,6 +1,7 @@
-"""The AutoModel recipe slot: a config object with ``DataloaderConfig``'s protocol.
+"""The AutoModel recipe slots: config objects with ``DataloaderConfig``'s (LLM) and ``VlmDataloaderConfig``'s (VLM)
+protocols.
 
-AutoModel 0.7.0's LLM recipe (``recipes/llm/train_ft.py``) instantiates the
+**LLM.** AutoModel 0.7.0's LLM recipe (``recipes/llm/train_ft.py``) instantiates the
 YAML ``dataloader`` block, reads ``seed``, ``dataset_builds_on_all_ranks``,
 ``emits_thd`` and ``packing`` from it, then calls ``build(dp_rank=...,
 dp_world_size=..., pp_enabled=..., tokenizer=..., dataset_build_context=...,
@@ -27,6 +28,28 @@ unshuffled pass, ``wrap`` packing, so every token of every document is
 delivered exactly once (documents longer than a row are split across rows,
 never skipped; ``loader.stats()`` shows every record delivered and nothing
 dropped), read whole on every DP rank.
+
+**VLM.** AutoModel 0.7.0's VLM recipe (``recipes/vlm/finetune.py``, ``setup``) reads
+``packing`` from its dataloader config (a ``packing_format`` other than
+``"thd"`` makes it ask the model for its packing contract), then calls::
+
+    build(pretrained_model_name_or_path=, dp_rank=, dp_world_size=, batch_size=,
+          dataset_build_context=, get_rope_index=, packing_contract=,
+          pp_n_microbatches=, cp_size=)
+
+and keeps ``.dataloader`` (iterated; its state saved per DP rank) and
+``.processor`` of the result. :class:`ZephonVLMDataloaderConfig` answers that::
+
+    dataloader:
+      _target_: zephon_loader.ZephonVLMDataloaderConfig
+      sources: [{name: captions, path: /data/captions}]
+      processor: {path: /models/qwen2-vl-processor}    # or omit: the model folder
+      sequence_length: 4096
+      ...              # every key of zephon_loader.config.image.ImageLoaderConfig
+
+0.7.0's ``RecipeConfig.resolve_vlm_dataloader`` refuses a foreign
+``dataloader._target_``, so a recipe must hold this object where it held
+``VlmDataloaderConfig`` (as with the text slot).
 """
 
 from __future__ import annotations
@@ -34,12 +57,22 @@ from __future__ import annotations
 import dataclasses
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
-from zephon_loader.build import build_text_loader
-from zephon_loader.config import DistributedConfig, PackingOptions, TextLoaderConfig
+from zephon_loader.build import ImageLoader, build_image_loader, build_text_loader
+from zephon_loader.config import (
+    DistributedConfig,
+    ImageLoaderConfig,
+    PackingOptions,
+    ProcessorConfig,
+    ProcessorTarget,
+    TextLoaderConfig,
+)
 from zephon_loader.loader import ZephonLoader
-from zephon_loader.contract import validate_packing_contract
+from zephon_loader.contract import contract_for_attention, validate_packing_contract
+
+__all__ = ["ImageLoaderBuild", "ZephonDataloaderConfig", "ZephonVLMDataloaderConfig"]
 
 
 @dataclass(frozen=True, init=False)
@@ -80,13 +113,7 @@ class ZephonDataloaderConfig(TextLoaderConfig):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        known = {spec.name for spec in dataclasses.fields(TextLoaderConfig)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"dataloader.{unknown[0]}: unknown key; expected one of {sorted(known)}")
-        missing = sorted(name for name in ("sources", "sequence_length", "micro_batch_size") if name not in kwargs)
-        if missing:
-            raise ValueError(f"dataloader.{missing[0]}: missing; expected it in the dataloader section")
+        _check_keys(TextLoaderConfig, kwargs, ("sources", "sequence_length", "micro_batch_size"))
         validation = "packing" in kwargs and kwargs["packing"] is None
         if validation:
             kwargs = {name: value for name, value in kwargs.items() if name != "packing"}
@@ -152,13 +179,7 @@ class ZephonDataloaderConfig(TextLoaderConfig):
         Raises:
             ValueError/TypeError: Before any worker starts.
         """
-        contract = packing_contract
-        if contract is not None and self.contract is not None and _is_automodel_default(contract):
-            contract = None  # the recipe passed its default, not the model's requirement
-        if contract is None and attn_implementation is not None and self.contract is None:
-            from zephon_loader.contract import contract_for_attention
-
-            contract = contract_for_attention(attn_implementation)
+        contract = _recipe_contract(self.contract, packing_contract, attn_implementation)
         effective = contract if contract is not None else self.packing_contract()
         qkv_format = validate_packing_contract(effective)[2]
         if qkv_format == "thd" and not supports_seq_lens:
@@ -194,6 +215,109 @@ class ZephonDataloaderConfig(TextLoaderConfig):
         )
 
 
+@dataclass(frozen=True)
+class ImageLoaderBuild:
+    """What :meth:`ZephonVLMDataloaderConfig.build` returns (AutoModel's ``VlmDataloaderBuild`` shape).
+
+    Attributes:
+        dataloader: This rank's loader.
+        processor: The record processor it runs (``dataloader.processor``); it
+            has ``tokenizer`` (the recipe reads ``processor.tokenizer.pad_token_id``).
+    """
+
+    dataloader: ImageLoader
+    processor: Any
+
+
+@dataclass(frozen=True, init=False)
+class ZephonVLMDataloaderConfig(ImageLoaderConfig):
+    """Typed image loader settings plus AutoModel's VLM dataloader protocol.
+
+    It *is* an :class:`~zephon_loader.config.image.ImageLoaderConfig`.
+    ``micro_batch_size`` may be left out: the recipe's ``batch_size`` is used.
+    A ``processor`` node with ``_target_`` arrives already instantiated when
+    AutoModel's ``ConfigNode`` builds this object (it instantiates nested
+    targets first); that processor object is used as is.
+
+    Args:
+        **kwargs: The keys of :class:`~zephon_loader.config.image.ImageLoaderConfig`
+            (validated now, before any worker starts).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        _check_keys(ImageLoaderConfig, kwargs, ("sources", "sequence_length"))
+        processor = kwargs.get("processor")
+        instance = None
+        if processor is not None and not isinstance(processor, (dict, ProcessorConfig, ProcessorTarget)) \
+                and callable(processor):
+            instance, kwargs = processor, {k: v for k, v in kwargs.items() if k != "processor"}
+        object.__setattr__(self, "_processor_instance", instance)
+        super().__init__(**kwargs)
+
+    def build(
+        self,
+        *,
+        pretrained_model_name_or_path: str | None = None,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int,
+        dataset_build_context: AbstractContextManager[object] | None = None,
+        get_rope_index: Callable[..., Any] | None = None,
+        packing_attn_implementation: str | None = None,
+        packing_contract: object | None = None,
+        pp_n_microbatches: int | None = None,
+        cp_size: int = 1,
+    ) -> ImageLoaderBuild:
+        """Build this rank's loader and return it with its processor.
+
+        Args:
+            pretrained_model_name_or_path: The model; its folder is the built-in
+                processor's when the YAML names no ``processor.path`` (a hub id is refused).
+            dp_rank, dp_world_size: Data-parallel coordinates → Zephon's DP lane.
+            batch_size: The recipe's local batch size: ``B`` (must equal a YAML ``micro_batch_size``).
+            dataset_build_context: Entered while the processor and pipeline are built.
+            get_rope_index: The model's ``get_rope_index``: every record's positions come from it.
+            packing_attn_implementation: Deprecated in AutoModel; mapped to a
+                contract like AutoModel does when no other contract is given.
+            packing_contract: The model's contract. AutoModel's default object
+                means "no model requirement": the YAML's ``contract`` then wins.
+            pp_n_microbatches: Pipeline parallelism: media is pre-chunked per
+                microbatch with AutoModel's ``wrap_vlm_collate_for_pp``.
+            cp_size: Context-parallel size; only 1 is supported.
+
+        Raises:
+            ValueError/TypeError/ImportError: Before any worker starts.
+        """
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size != 1:
+            raise ValueError(
+                f"cp_size: got {cp_size!r}, expected 1: context-parallel sharding of packed image-text rows "
+                "([3, B, S] mRoPE positions, media per row) is not supported by this loader; use cp_size 1"
+            )
+        contract = _recipe_contract(self.contract, packing_contract, packing_attn_implementation,
+                                    attention_names_the_model=True)
+        wrapper = None
+        if pp_n_microbatches is not None:
+            try:
+                from nemo_automodel.components.datasets.vlm.pp_media import wrap_vlm_collate_for_pp
+            except ImportError as error:
+                raise ImportError("pp_n_microbatches: pipeline-parallel media chunking uses nemo_automodel's "
+                                  "wrap_vlm_collate_for_pp; install nemo-automodel") from error
+            wrapper = partial(wrap_vlm_collate_for_pp, n_microbatches=pp_n_microbatches)
+        loader = build_image_loader(
+            self,
+            packing_contract=contract,
+            processor=self._processor_instance,
+            get_rope_index=get_rope_index,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            collate_wrapper=wrapper,
+            dataset_build_context=dataset_build_context,
+            micro_batch_size=batch_size,
+            model_path=pretrained_model_name_or_path,
+        )
+        return ImageLoaderBuild(dataloader=loader, processor=loader.processor)
+
+
 def _is_default_group(dp_rank: int, dp_world_size: int) -> bool:
     """Whether ``(dp_rank, dp_world_size)`` are this process's rank and size in torch.distributed's default group."""
     import torch.distributed as dist
@@ -214,3 +338,33 @@ def _is_automodel_default(contract: object) -> bool:
     except ImportError:
         return False
     return contract is DEFAULT_PACKED_SEQUENCE_CONTRACT
+
+
+def _check_keys(schema: type, kwargs: dict[str, Any], required: tuple[str, ...]) -> None:
+    """Refuse keys ``schema`` does not have and missing required ones, as the YAML reader does."""
+    known = {spec.name for spec in dataclasses.fields(schema)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"dataloader.{unknown[0]}: unknown key; expected one of {sorted(known)}")
+    missing = sorted(name for name in required if name not in kwargs)
+    if missing:
+        raise ValueError(f"dataloader.{missing[0]}: missing; expected it in the dataloader section")
+
+
+def _recipe_contract(
+    configured: object | None, packing_contract: object | None, attn_implementation: str | None,
+    *, attention_names_the_model: bool = False,
+) -> object | None:
+    """The contract the recipe's arguments ask for; ``None``: the YAML's ``contract`` (or the default).
+
+    AutoModel passes its default contract object when the recipe has no packing requirement: with a YAML
+    ``contract`` (or, where ``attention_names_the_model``, an attention name) that object means "no model
+    requirement". A deprecated attention name is mapped like AutoModel does when nothing else is given.
+    """
+    contract = packing_contract
+    overrides_default = configured is not None or (attention_names_the_model and attn_implementation is not None)
+    if contract is not None and overrides_default and _is_automodel_default(contract):
+        contract = None  # the recipe passed its default, not the model's requirement
+    if contract is None and attn_implementation is not None and configured is None:
+        contract = contract_for_attention(attn_implementation)
+    return contract

@@ -1,0 +1,330 @@
+"""A stage per modality: what differs between a text loader and an image-text loader, and nothing else.
+
+:func:`~zephon_loader.build.build_loader` runs the same steps for every kind
+of loader (contract → settings → DP → pipeline → nodes → loader); a
+:class:`Stage` answers the questions those steps ask of the kind:
+
+==========================  ==============================================  =============================================
+step                        :class:`TextStage`                              :class:`ImageStage`
+==========================  ==============================================  =============================================
+``check_contract``          every mask type                                 not ``position_ids`` (mRoPE positions)
+``attention_eligibility``   ``eligibility_field`` is set                    the processor emits eligibility
+``prepare``                 save the recipe's tokenizer (when the YAML      load the processor (YAML, object or the
+                            names none)                                     model folder), bind ``get_rope_index``
+``build_pipeline``          :func:`~zephon_loader.pipeline.text.            :func:`~zephon_loader.pipeline.image.
+                            build_pipeline` (tokenize, pack_flat)           build_image_pipeline` (process, pack_sequences)
+``collate``                 :func:`~zephon_loader.collate.text.collate`     :func:`~zephon_loader.collate.image.
+                                                                            collate_images`
+``fingerprint``             tokenizer files, chat template, label masking   record format, processor, packing
+``drop_reasons``            the text checks' reasons                        the image-text operator's reasons
+==========================  ==============================================  =============================================
+
+A stage is built per loader and holds what its ``prepare`` loaded.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from zephon_loader.collate.image import collate_images
+from zephon_loader.collate.text import collate
+from zephon_loader.config import ImageLoaderConfig, ProcessorConfig, ProcessorTarget, TextLoaderConfig, instantiate
+from zephon_loader.contract import PackingContract
+from zephon_loader.fingerprint import tokenizer_fingerprint
+from zephon_loader.pipeline.image import build_image_pipeline
+from zephon_loader.pipeline.image_records import IMAGE_REASONS
+from zephon_loader.pipeline.records import LONGER_THAN_ROW
+from zephon_loader.pipeline.text import DataParallel, build_pipeline
+
+__all__ = ["IMAGE_MASK_TYPES", "ImageStage", "Stage", "TextStage", "resolve_processor"]
+
+#: Packed mask types an image loader can serve: each needs document ids only, not 1-D positions.
+IMAGE_MASK_TYPES = ("block_causal", "document_ids", "flash_varlen")
+
+
+class Stage(Protocol):
+    """What :func:`~zephon_loader.build.build_loader` asks of a kind of loader (see the module docstring)."""
+
+    #: Prefix of the loader's work folder in the temp dir (drop log, saved tokenizer).
+    work_prefix: str
+
+    @property
+    def micro_batch_size(self) -> int:
+        """``B``."""
+
+    @property
+    def attention_eligibility(self) -> bool:
+        """Whether records carry per-token eligibility (known from the config, or once ``prepare`` ran)."""
+
+    def check_contract(self, contract: PackingContract) -> None:
+        """Refuse a contract this kind cannot serve (before anything loads)."""
+
+    def prepare(self, owned: list[str]) -> None:
+        """Load what the pipeline needs (tokenizer folder, processor); folders it creates go to ``owned``."""
+
+    def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
+                       run_id_suffix: str = "") -> Any:
+        """The kind's built Zephon pipeline (``.pipeline``, ``.shards``, ``.drop_log``)."""
+
+    def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
+        """``zephon SampleBatch -> TrainingBatch`` for batches of ``built``."""
+
+    def fingerprint(self, built: Any) -> dict[str, Any]:
+        """The kind's part of the stream fingerprint (JSON)."""
+
+    def drop_reasons(self) -> dict[str, str] | None:
+        """Why a record is left out, for ``loader.stats()`` (``None``: the text checks' reasons)."""
+
+
+class TextStage:
+    """Text, chat or pretokenized records: checked, tokenized by Zephon, packed with ``pack_flat(S + 1)``.
+
+    Args:
+        cfg: The validated config.
+        tokenizer: The recipe's tokenizer, used when the YAML names none.
+    """
+
+    work_prefix = "zephon_loader_pipeline_"
+
+    def __init__(self, cfg: TextLoaderConfig, tokenizer: Any = None) -> None:
+        self.cfg = cfg
+        self._recipe_tokenizer = tokenizer
+        self._tokenizer_dir: str | None = None
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.cfg.micro_batch_size
+
+    @property
+    def attention_eligibility(self) -> bool:
+        return self.cfg.eligibility_field is not None
+
+    def check_contract(self, contract: PackingContract) -> None:
+        """Every contract serves text (the checks live in the final-map settings)."""
+
+    def prepare(self, owned: list[str]) -> None:
+        cfg = self.cfg
+        if cfg.tokenizer.path is None and cfg.input_mode != "pretokenized" and self._recipe_tokenizer is not None:
+            self._tokenizer_dir = _save_recipe_tokenizer(self._recipe_tokenizer)
+            owned.append(self._tokenizer_dir)
+
+    def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
+                       run_id_suffix: str = "") -> Any:
+        return build_pipeline(self.cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,
+                              run_id_suffix=run_id_suffix)
+
+    def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
+        cfg = self.cfg
+        return partial(
+            collate,
+            mask_cross_document_labels=cfg.labels_mask_cross_document,
+            eos_mask_loss=cfg.eos_mask_loss,
+            eos_token_id=cfg.eos_token_id,
+            eligibility=cfg.eligibility_field is not None,
+            physical_cu_seqlens=False,  # the final map never yields them
+            # Zephon delivers the short batch of each flush and of the end of the stream: pad it to B rows.
+            micro_batch_size=cfg.micro_batch_size,
+            pad_token_id=built.pad_token_id,
+        )
+
+    def fingerprint(self, built: Any) -> dict[str, Any]:
+        cfg, tok = self.cfg, self.cfg.tokenizer
+        return {
+            "tokenizer": [tok.text_field, tok.pretokenized_field, tok.chat_field, tok.special_tokens],
+            "tokenizer_files": tokenizer_fingerprint(str(built.tokenizer_dir) if built.tokenizer_dir else None),
+            "chat_template": [tok.chat_template, tok.chat_loss_scope],
+            "records": [cfg.on_bad_record, cfg.max_record_tokens, cfg.max_record_bytes],
+            "packing": [cfg.packing.algorithm, cfg.packing.num_bins, built.pad_token_id],
+            "eligibility_field": cfg.eligibility_field,
+            "label_masking": [cfg.labels_mask_cross_document, cfg.eos_mask_loss, cfg.eos_token_id],
+        }
+
+    def drop_reasons(self) -> dict[str, str] | None:
+        return None
+
+
+class ImageStage:
+    """Image-text records: decoded and processed in Zephon's workers, packed whole with ``pack_sequences(S)``.
+
+    Args:
+        cfg: The validated config.
+        processor: A record processor object; ``None``: the YAML's ``processor``.
+        get_rope_index: The model's ``get_rope_index`` (every record's positions come from it).
+        micro_batch_size: ``B`` when the YAML leaves it unset (the recipe's batch size); both given must agree.
+        model_path: The recipe's model folder: the built-in processor's folder when the YAML names none.
+
+    Raises:
+        ValueError: ``B`` missing or disagreeing; ``runner: process`` with a model ``get_rope_index``.
+    """
+
+    work_prefix = "zephon_loader_image_pipeline_"
+
+    def __init__(self, cfg: ImageLoaderConfig, *, processor: Any = None,
+                 get_rope_index: Callable[..., Any] | None = None, micro_batch_size: int | None = None,
+                 model_path: str | None = None) -> None:
+        self.cfg = cfg
+        self._rows = _micro_batch_size(cfg, micro_batch_size)
+        self._processor_arg = processor
+        self._get_rope_index = get_rope_index
+        self._model_path = model_path
+        self.processor: Any = None
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self._rows
+
+    @property
+    def attention_eligibility(self) -> bool:
+        return bool(self.processor.attention_eligibility) if self.processor is not None else False
+
+    def check_contract(self, contract: PackingContract) -> None:
+        if contract.packed_mask_type not in IMAGE_MASK_TYPES:
+            raise ValueError(
+                f"packing_contract.packed_mask_type: got {contract.packed_mask_type!r}, expected one of "
+                f"{list(IMAGE_MASK_TYPES)} for image-text batches: their position_ids are [3, B, S] mRoPE "
+                "positions, which do not restart once per record on one axis; use 'document_ids' (with metadata "
+                "for FA4) or 'block_causal'"
+            )
+        if self._get_rope_index is not None and self.cfg.runtime.runner == "process":
+            raise ValueError(
+                "dataloader.runtime.runner: got 'process' with a model get_rope_index, expected 'threads' (or "
+                "'auto'): worker processes would each receive a pickled copy of the model"
+            )
+
+    def prepare(self, owned: list[str]) -> None:
+        self.processor = resolve_processor(self.cfg, self._processor_arg, self._get_rope_index, self._model_path)
+
+    def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
+                       run_id_suffix: str = "") -> Any:
+        return build_image_pipeline(self.cfg, processor=self.processor, micro_batch_size=self._rows,
+                                    work_dir=work_dir, dp=dp, seed=seed, run_id_suffix=run_id_suffix)
+
+    def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
+        return partial(
+            collate_images,
+            sequence_length=self.cfg.sequence_length,
+            micro_batch_size=self._rows,
+            pad_token_id=int(self.processor.pad_token_id),
+            mask_cross_document_labels=self.cfg.labels_mask_cross_document,
+            eligibility=self.attention_eligibility,
+        )
+
+    def fingerprint(self, built: Any) -> dict[str, Any]:
+        cfg, records = self.cfg, self.cfg.records
+        return {
+            "kind": "image",
+            "records": [records.text_field, records.images_field, records.image_marker, cfg.on_bad_record,
+                        cfg.max_record_tokens],
+            "processor": processor_fingerprint(cfg, self.processor),
+            "get_rope_index": self._get_rope_index is not None,
+            "packing": [cfg.packing.algorithm, cfg.packing.num_bins, cfg.packing.oversized],
+            "label_masking": cfg.labels_mask_cross_document,
+        }
+
+    def drop_reasons(self) -> dict[str, str] | None:
+        return {**IMAGE_REASONS,
+                LONGER_THAN_ROW: "longer than a row: image-text records are never split (packing.oversized)"}
+
+
+# ----------------------------------------------------------------------------- text: the recipe's tokenizer
+
+
+def _save_recipe_tokenizer(tokenizer: Any) -> str:
+    """Save the recipe's tokenizer object to a fresh local folder Zephon can load (never a hub id).
+
+    The object itself is saved (not its ``name_or_path``), so tokens added in
+    memory are kept. The caller owns the folder and removes it on close.
+    """
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(
+            f"tokenizer: got {type(tokenizer).__name__} without save_pretrained; expected a Hugging Face tokenizer, "
+            "or set dataloader.tokenizer.path to a local tokenizer folder"
+        )
+    folder = tempfile.mkdtemp(prefix="zephon_loader_tokenizer_")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------- image: the processor
+
+
+def _micro_batch_size(cfg: ImageLoaderConfig, passed: int | None) -> int:
+    if passed is not None and (isinstance(passed, bool) or not isinstance(passed, int) or passed <= 0):
+        raise ValueError(f"batch_size: got {passed!r}, expected an int > 0")
+    configured = cfg.micro_batch_size
+    if configured is None and passed is None:
+        raise ValueError("dataloader.micro_batch_size: missing; expected the rows per batch B (an int > 0)")
+    if configured is not None and passed is not None and configured != passed:
+        raise ValueError(f"dataloader.micro_batch_size: got {configured}, but the recipe's batch size is {passed}; "
+                         "remove micro_batch_size from the YAML or make them agree")
+    return int(configured if configured is not None else passed)  # type: ignore[arg-type]
+
+
+def resolve_processor(
+    cfg: ImageLoaderConfig, processor: Any, get_rope_index: Callable[..., Any] | None, model_path: str | None = None
+) -> Any:
+    """The processor to run: the object passed, else the YAML's (built-in or ``_target_``), bound to ``get_rope_index``.
+
+    Raises:
+        ValueError: Both an object and a YAML processor, none at all, a hub id as folder.
+        TypeError: An object without the processor interface, or ``get_rope_index``
+            for a processor that cannot take it.
+    """
+    if processor is not None and cfg.processor is not None:
+        raise ValueError("processor: got both a processor object and dataloader.processor in the YAML; expected one "
+                         "(drop one of them)")
+    if processor is None:
+        processor = _processor_from_config(cfg, model_path)
+    where = f"processor ({type(processor).__name__})"
+    if not callable(processor):
+        raise TypeError(f"{where}: not callable; expected ImageTextRecord -> ProcessedRecord")
+    pad = getattr(processor, "pad_token_id", None)
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise TypeError(f"{where}.pad_token_id: got {pad!r}, expected the pad id (an int >= 0)")
+    eligibility = getattr(processor, "attention_eligibility", None)
+    if not isinstance(eligibility, bool):
+        raise TypeError(f"{where}.attention_eligibility: got {eligibility!r}, expected a bool (whether records "
+                        "carry per-token eligibility)")
+    if get_rope_index is not None:
+        bind = getattr(processor, "bind_get_rope_index", None)
+        if bind is None:
+            raise TypeError(f"{where}: has no bind_get_rope_index, but the model's get_rope_index was passed; "
+                            "expected a processor that computes positions with it (add bind_get_rope_index)")
+        processor = bind(get_rope_index)
+    return processor
+
+
+def _processor_from_config(cfg: ImageLoaderConfig, model_path: str | None) -> Any:
+    from zephon_loader.processors import Qwen2VLRecordProcessor
+
+    node = cfg.processor
+    if isinstance(node, ProcessorTarget):
+        return instantiate(node.node())
+    node = node if isinstance(node, ProcessorConfig) else ProcessorConfig()
+    if node.path is not None:
+        folder = cfg.resolve_path(node.path)
+    elif model_path is not None:
+        if not Path(model_path).is_dir():
+            raise ValueError(f"dataloader.processor.path: unset, and the model {model_path!r} is not a local folder; "
+                             "expected a local processor folder (a hub id cannot load offline): set processor.path")
+        folder = Path(model_path)
+    else:
+        raise ValueError("dataloader.processor: missing; expected {path: <local processor folder>} (tokenizer with "
+                         "the vision tokens + preprocessor_config.json), a {_target_: ...} factory, or a processor "
+                         "passed to build_image_loader(processor=...)")
+    return Qwen2VLRecordProcessor(folder, image_token_alignment=node.image_token_alignment,
+                                  append_eos=node.append_eos, min_pixels=node.min_pixels,
+                                  max_pixels=node.max_pixels, backend=node.backend)
+
+
+def processor_fingerprint(cfg: ImageLoaderConfig, processor: Any) -> Any:
+    """What identifies the processor in a saved state: its ``fingerprint()``, else the YAML target, else its type."""
+    method = getattr(processor, "fingerprint", None)
+    if callable(method):
+        return method()
+    if isinstance(cfg.processor, ProcessorTarget):
+        return [cfg.processor.target, repr(cfg.processor.kwargs)]
+    return f"{type(processor).__module__}.{type(processor).__qualname__}"
