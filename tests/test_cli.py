@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from zephon_loader.cli import commands as cli
+from zephon_loader.cli.configs import build_from_yaml
 from zephon_loader import fields as F
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def test_run_config_reports_what_the_loader_yields(capsys, loader_yaml, tmp_path
     out = capsys.readouterr().out
     report = json.loads(report_path.read_text())
 
-    with cli.build_from_yaml(path) as loader:
+    with build_from_yaml(path) as loader:
         batches = list(loader)
     assert report["batches"] == len(batches) > 5
     assert report["config"] == str(path.resolve())
@@ -257,6 +258,8 @@ def test_id_colours_are_categorical_and_padding_is_distinct():
     import numpy as np
     import torch
 
+    from zephon_loader.cli import inspect as cli
+
     ids = torch.tensor([[1, 1, 2, 3, 3, 0, 0], [1, 2, 3, 4, 5, 6, 7]] + [list(range(1, 8))], dtype=torch.int64)
     ids[2] += 15  # ids 16..22: past the palette length, colours repeat
     padding = torch.zeros_like(ids, dtype=torch.bool)
@@ -285,8 +288,10 @@ def test_draw_batch_panels_have_legends_not_colour_bars(loader_yaml):
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from zephon_loader.cli import inspect as cli
+
     one_open_row = {"algorithm": "first_fit", "num_bins": 1}  # a row closes when the next document does not fit
-    with cli.build_from_yaml(loader_yaml(sequence_length=64, packing=one_open_row)) as loader:
+    with build_from_yaml(loader_yaml(sequence_length=64, packing=one_open_row)) as loader:
         batch = loader.preview()
     figure = cli.draw_batch(batch, 1, "t", xdoc=False)
     try:
@@ -445,7 +450,7 @@ def test_zephon_packing_notices_are_summarized_once_in_the_report(capsys, monkey
     """Zephon's per-flush lines went to stderr one by one, through the progress bar; now counted and reported once."""
     import logging
 
-    from zephon_loader import build as builders
+    import zephon_loader as builders
 
     real_build = builders.build_text_loader
 

@@ -1,4 +1,4 @@
-"""What ``zephon-loader run`` / ``inspect`` use for image-text configs (``zephon_loader.cli.image``)."""
+"""What ``zephon-loader run`` / ``inspect`` use for image-text configs (``zephon_loader.cli.inspect``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 from conftest import collect
 from zephon_loader import ImageLoader, ZephonLoader
 from zephon_loader.config import default_config_path
-from zephon_loader.cli.commands import build_from_yaml
-from zephon_loader.cli.image import image_counts, inspect_images, is_image_config, token_kinds
+from zephon_loader.cli.configs import build_from_yaml, is_image_config
+from zephon_loader.cli.inspect import image_counts, token_kinds
+from zephon_loader.cli.inspect import inspect as inspect_images
 from zephon_loader.config.image import default_image_config_path
 
 ALIGNED = default_image_config_path().parent / "image_demo_aligned.yaml"

@@ -1,8 +1,11 @@
-"""``zephon-loader`` command line: ``run`` and ``inspect``.
+"""The ``zephon-loader`` command: its parser, ``main``, the ``run`` report and the one-line errors.
 
     zephon-loader run [CONFIG] [--steps N] [--json FILE]    # iterate and report (bundled default without CONFIG)
     zephon-loader inspect [CONFIG] --out FILE.png [--row R] # draw the first batch
     zephon-loader --version
+
+Both commands take a text or an image-text config (:mod:`zephon_loader.cli.configs`
+tells them apart); ``inspect`` draws with :mod:`zephon_loader.cli.inspect`.
 
 Failures. A mistake in the configuration, the data or the environment ends
 the command with one line, ``zephon-loader: error: <message>``, on stderr and
@@ -28,37 +31,25 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from zephon_loader import __version__
+from zephon_loader import fields as F
+from zephon_loader.cli.configs import WRAP_HINT, config_and_builder, no_batch_error
+from zephon_loader.cli.inspect import image_counts, inspect
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
-
-    from zephon_loader.config import TextLoaderConfig
-    from zephon_loader.loader import ZephonLoader
 
 #: Exceptions that report a mistake in the configuration, the data or the environment (one line, exit 2).
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError, ImportError)
 #: Exit statuses: a user error, Ctrl-C.
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
-#: The hint printed when first_fit/best_fit dropped documents longer than a row.
-WRAP_HINT = "use packing.algorithm: wrap to keep long documents (split across rows)"
-
-
-def build_from_yaml(path: str | Path) -> ZephonLoader:
-    """A single-process loader from a YAML file's ``dataloader`` node: image-text or text, by the node.
-
-    Read by :func:`~zephon_loader.config.read_loader_config`, the reader the
-    builders use: ``_target_`` optional, relative paths against the file's folder.
-    """
-    cfg, build = _reader_and_builder(Path(path))
-    return build(cfg)
 
 
 def _describe(value: Any) -> str:
+    """How the report lists a yielded field: a tensor's dtype and shape, any other value's type and value."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -68,48 +59,12 @@ def _describe(value: Any) -> str:
 
 def _attention_ids(batch: dict[str, Any]) -> torch.Tensor | None:
     """Per-token attention ranges [B, S] from whichever yielded field carries them."""
-    from zephon_loader import fields as F
-
     if F.PACKED_SEQ_IDS in batch:
         return batch[F.PACKED_SEQ_IDS]
     mask = batch.get(F.ATTENTION_MASK)
     if mask is not None and getattr(mask, "ndim", None) == 2:
         return mask
     return None
-
-
-def _no_batch_error(config: Path, dropped: dict[str, Any]) -> ValueError:
-    """Why a loader yielded nothing, and the fix for each reason its records were dropped for."""
-    from zephon_loader.pipeline.records import LONGER_THAN_ROW
-
-    counts = "; ".join(f"{reason}: {e['documents']:,} (first at {e['first']})" for reason, e in dropped.items())
-    fixes = []
-    if LONGER_THAN_ROW in dropped:
-        fixes.append(f"{WRAP_HINT}, or raise sequence_length")
-    if {"too_many_tokens", "too_many_bytes"} & set(dropped):
-        fixes.append("raise or unset max_record_tokens / max_record_bytes")
-    if set(dropped) - {LONGER_THAN_ROW, "too_many_tokens", "too_many_bytes"}:
-        fixes.append("fix the records (or set on_bad_record: error to stop at the first one)")
-    return ValueError(
-        f"{config}: the loader yielded no batch: "
-        + (f"every record was dropped ({counts}); " + "; ".join(fixes) if dropped
-           else "the sources yielded no record and nothing was dropped; add data")
-    )
-
-
-def _reader_and_builder(config: Path) -> tuple[Any, Callable[[Any], Any]]:
-    """The config a YAML file holds and the builder for it: the image-text loader's, or the text loader's."""
-    from zephon_loader.config import read_loader_config
-    from zephon_loader.cli.image import is_image_config
-
-    if is_image_config(config):
-        from zephon_loader.build_image import build_image_loader
-        from zephon_loader.config.image import ImageLoaderConfig
-
-        return read_loader_config(config, ImageLoaderConfig), build_image_loader
-    from zephon_loader.build import build_text_loader
-
-    return read_loader_config(config), build_text_loader
 
 
 def _hints(config: Any, dropped: dict[str, Any]) -> list[str]:
@@ -175,13 +130,10 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
-    from zephon_loader import fields as F
-    from zephon_loader.cli.image import image_counts
-
     out = sys.stdout if out is None else out  # looked up per call, so redirect_stdout/capture work
 
     started = time.perf_counter()
-    cfg, build = _reader_and_builder(config)
+    cfg, build = config_and_builder(config)
     with _command_logging() as notices, build(cfg) as loader:
         built = time.perf_counter()
         batches = tokens = padding = supervised = positions = ranges = rows = images = 0
@@ -207,7 +159,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     for reason, entry in dropped.items():
         entry["why"] = stats["reasons"].get(reason, reason)
     if first is None:
-        raise _no_batch_error(config, dropped)
+        raise no_batch_error(config, dropped)
     report = {
         "config": str(config),
         "batches": batches,
@@ -251,209 +203,6 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     for name, text in report["fields"].items():
         print(f"    {name:22s} {text}", file=out)
     return report
-
-
-#: Colours of the categorical panels (RGBA). Padding is white and the "not in any range" grey is
-#: used by nothing else: the document palette below leaves out the greys.
-PADDING_RGBA = (1.0, 1.0, 1.0, 1.0)
-UNATTENDED_RGBA = (0.25, 0.25, 0.25, 1.0)
-#: Token classes of the third panel, drawn in this order of precedence (padding wins).
-TOKEN_CLASSES = (
-    ("padding", PADDING_RGBA),
-    ("ineligible (attends to nothing)", UNATTENDED_RGBA),
-    ("label not supervised (-100)", (0.99, 0.75, 0.44, 1.0)),
-    ("label supervised", (0.17, 0.63, 0.17, 1.0)),
-)
-#: Documents listed by name in a legend; later ids reuse the palette's colours.
-LEGEND_DOCUMENTS = 8
-
-
-def _document_palette() -> np.ndarray:
-    """``[K, 4]`` float RGBA: matplotlib's tab20 with its two greys left out, strong colours first.
-
-    Consecutive ids get different hues, so neighbouring documents of a row never share a colour.
-    """
-    import matplotlib
-    import numpy as np
-
-    tab20 = np.asarray(matplotlib.colormaps["tab20"].colors)
-    order = [*range(0, 20, 2), *range(1, 20, 2)]
-    return np.asarray([(*tab20[i], 1.0) for i in order if i not in (14, 15)])  # 14, 15: the greys
-
-
-def id_colours(ids: torch.Tensor, padding: torch.Tensor) -> np.ndarray:
-    """Per-token RGBA ``[B, S, 4]`` float for a categorical id panel.
-
-    Args:
-        ids: int64 ``[B, S]`` 1-based ids (documents or attention ranges), 0 = in no range.
-        padding: bool ``[B, S]``, True at padding.
-
-    Returns:
-        Id ``k >= 1`` in palette colour ``(k - 1) % K``; padding in :data:`PADDING_RGBA`
-        (white); any other 0 (an ineligible token) in :data:`UNATTENDED_RGBA`. No two
-        of these share a colour.
-    """
-    import numpy as np
-
-    palette = _document_palette()
-    ids_np = ids.numpy()
-    colours = palette[np.maximum(ids_np - 1, 0) % len(palette)]
-    colours[ids_np == 0] = UNATTENDED_RGBA
-    colours[padding.numpy()] = PADDING_RGBA
-    return colours
-
-
-def token_classes(labels: torch.Tensor, padding: torch.Tensor, ineligible: torch.Tensor) -> np.ndarray:
-    """Index into :data:`TOKEN_CLASSES` per token, ``[B, S]`` int64 (padding > ineligible > label class)."""
-    import numpy as np
-
-    from zephon_loader import fields as F
-
-    classes = np.where(labels.numpy() == F.IGNORE_INDEX, 2, 3)
-    classes[ineligible.numpy()] = 1
-    classes[padding.numpy()] = 0
-    return classes
-
-
-def _id_legend(axis: Any, max_id: int, *, unattended: str | None) -> None:
-    from matplotlib.patches import Patch
-
-    palette = _document_palette()
-    handles = [Patch(facecolor=PADDING_RGBA, edgecolor="black", label="padding")]
-    if unattended is not None:
-        handles.append(Patch(facecolor=UNATTENDED_RGBA, label=unattended))
-    handles += [Patch(facecolor=palette[(k - 1) % len(palette)], label=f"id {k}")
-                for k in range(1, min(max_id, LEGEND_DOCUMENTS) + 1)]
-    if max_id > LEGEND_DOCUMENTS:
-        handles.append(Patch(facecolor="none", edgecolor="none",
-                             label=f"... up to id {max_id} (colours repeat every {len(palette)})"))
-    axis.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-
-
-def draw_batch(batch: dict[str, Any], row: int, title: str, *, xdoc: bool) -> Any:
-    """The ``inspect`` figure of a :meth:`~zephon_loader.loader.ZephonLoader.preview` batch.
-
-    Four panels, all categorical (legends, no colour bars): document ids,
-    attention ranges (what attention sees: ineligible tokens in no range),
-    token classes (supervised / unsupervised label / ineligible / padding),
-    and row ``row``'s block-causal mask. Padding is white everywhere.
-
-    Args:
-        batch: Internal names: int64 ``[B, S]`` ``document_ids``,
-            ``attention_document_ids``, ``labels``; bool ``[B, S]`` ``padding_mask``.
-        row: Row of the mask panel, ``0 <= row < B``.
-        title: Figure title.
-        xdoc: Cross-document attention (names the mask panel).
-
-    Returns:
-        The matplotlib ``Figure`` (the caller saves and closes it).
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
-    from zephon_loader import fields as F
-    from zephon_loader.finalize.final_map import block_causal_mask
-
-    ids = batch[F.DOCUMENT_IDS]
-    attention_ids = batch[F.ATTENTION_DOCUMENT_IDS]
-    padding = batch[F.PADDING_MASK]
-    ineligible = (attention_ids == 0) & ~padding
-    classes = token_classes(batch[F.LABELS], padding, ineligible)
-    mask = block_causal_mask(attention_ids[row : row + 1])[0, 0]
-
-    figure, axes = plt.subplots(2, 2, figsize=(15, 9))
-    for axis, values, panel in (
-        (axes[0, 0], ids, "document ids per row"),
-        (axes[0, 1], attention_ids, "attention ranges per row (what attention sees)"),
-    ):
-        axis.imshow(id_colours(values, padding), aspect="auto", interpolation="nearest")
-        axis.set_title(panel)
-        _id_legend(axis, int(values.max()), unattended="ineligible (in no range)" if values is attention_ids else None)
-    axis = axes[1, 0]
-    axis.imshow(ListedColormap([c for _, c in TOKEN_CLASSES])(classes), aspect="auto", interpolation="nearest")
-    counts = [int((classes == index).sum()) for index in range(len(TOKEN_CLASSES))]
-    axis.set_title("tokens by class")
-    axis.legend(handles=[Patch(facecolor=c, edgecolor="black", label=f"{name}: {n:,}")
-                         for (name, c), n in zip(TOKEN_CLASSES, counts)],
-                loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    for axis in (axes[0, 0], axes[0, 1], axes[1, 0]):
-        axis.set_xlabel("token")
-        axis.set_ylabel("row")
-        axis.set_yticks(range(ids.shape[0]) if ids.shape[0] <= 16 else axis.get_yticks())
-    axis = axes[1, 1]
-    axis.imshow(mask.numpy(), interpolation="nearest", cmap=ListedColormap(["white", "tab:blue"]), vmin=0, vmax=1)
-    axis.legend(handles=[Patch(facecolor="tab:blue", label="attends"),
-                         Patch(facecolor="white", edgecolor="black", label="masked")],
-                loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    axis.set_title(f"row {row}: block-causal mask (query × key, xdoc={xdoc})")
-    axis.set_xlabel("key")
-    axis.set_ylabel("query")
-    figure.suptitle(title)
-    figure.tight_layout()
-    return figure
-
-
-def inspect(config: Path, out_png: Path, row: int = 0) -> Path:
-    """Draw the first batch (:func:`draw_batch`) to ``out_png``.
-
-    Raises:
-        ImportError: matplotlib is missing (the message names the ``viz`` extra).
-        ValueError: ``row`` outside ``[0, micro_batch_size)``, an invalid
-            configuration, or a stream without any batch.
-    """
-    use_matplotlib()
-
-    from zephon_loader.build import build_text_loader
-    from zephon_loader.config import read_loader_config
-    from zephon_loader.cli.image import inspect_images, is_image_config
-    from zephon_loader.zephon_logs import summarize_zephon_logs
-
-    if is_image_config(config):  # image spans, fillers, padding and the three position axes
-        return inspect_images(config, out_png, row)
-    cfg = read_loader_config(config)
-    rows = cfg.micro_batch_size
-    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < rows:
-        raise ValueError(
-            f"--row: got {row!r}, expected a row index in [0, {rows}) (micro_batch_size is {rows} in {config})"
-        )
-    with summarize_zephon_logs(), build_text_loader(cfg) as loader:  # Zephon's packing notices: once, at the end
-        try:
-            batch = loader.preview()
-        except RuntimeError as error:  # an empty stream: say what was dropped and how to keep it
-            raise _no_batch_error(config, loader.stats()["dropped"]) from error
-        settings = loader.settings
-    ids = batch["document_ids"]
-    title = f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract={settings.packed_mask_type}"
-    return save_figure(draw_batch(batch, row, title, xdoc=settings.xdoc), out_png)
-
-
-def use_matplotlib() -> None:
-    """Select matplotlib's file-only backend (no display needed).
-
-    Raises:
-        ImportError: matplotlib is missing (the message names the ``viz`` extra).
-    """
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise ImportError(
-            "inspect: matplotlib is not installed; it draws the batch. "
-            "Install it with: pip install 'zephon-loader[viz]'"
-        ) from error
-    matplotlib.use("Agg")
-
-
-def save_figure(figure: Any, out_png: Path) -> Path:
-    """Write a matplotlib figure to ``out_png`` (its folder created) and close it."""
-    import matplotlib.pyplot as plt
-
-    try:
-        out_png.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(out_png, dpi=110)
-    finally:
-        plt.close(figure)
-    return out_png
 
 
 def _user_error(error: BaseException) -> str | None:
