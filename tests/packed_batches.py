@@ -60,7 +60,7 @@ def packed_batches(draw, *, max_rows: int = 4, max_len: int = 40, axes: tuple[in
 
 
 def reference_metadata(ids: torch.Tensor) -> dict:
-    """Loop-based build_packed_sequence_metadata (SPEC §5)."""
+    """Loop-based build_packed_sequence_metadata (docs/contract.md §6)."""
     batch_size, sequence_length = ids.shape
     width = max(1, int(ids.max())) + 1
     indices = torch.full((batch_size, sequence_length), -1, dtype=torch.int64)
@@ -82,7 +82,7 @@ def reference_metadata(ids: torch.Tensor) -> dict:
 
 
 def reference_xdoc_positions(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Loop-based SPEC §5 offsets: offset_k = offset_(k-1) + max_coord(k-1) + 1."""
+    """Loop-based docs/contract.md §6 offsets: offset_k = offset_(k-1) + max_coord(k-1) + 1."""
     pos = positions if positions.ndim == 3 else positions.unsqueeze(0)
     out = pos.clone()
     for b in range(document_ids.shape[0]):

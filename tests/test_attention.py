@@ -1,4 +1,4 @@
-"""adapt_model_inputs, enable_xdoc_attention, require_supported_packing_contract (SPEC §5, §9)."""
+"""adapt_model_inputs, enable_xdoc_attention, require_supported_packing_contract (docs/contract.md §6, §9)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ DOCS = PackingContract("document_ids", True)
 
 
 def spec_batch():
-    """SPEC §9: S=8, B=2; row 1 column 2 is ineligible."""
+    """docs/contract.md §9: S=8, B=2; row 1 column 2 is ineligible."""
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
     batch = {
         F.INPUT_IDS: torch.arange(16).view(2, 8),

@@ -1,4 +1,4 @@
-"""CPU tests of ``zephon_loader.backends`` (SPEC §7).
+"""CPU tests of ``zephon_loader.backends`` (docs/contract.md §8).
 
 * Equivalence: for random packed batches every backend equals attention
   computed separately per document (plain fp32 softmax(QK^T)V, causal, with
@@ -99,7 +99,7 @@ class Case:
         return torch.cat(docs), cu, int(lengths.max())
 
     def batch_major_metadata(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """SPEC §5 batch-major pair: indices [B, S] (-1 excluded), cu_seqlens int32 [B, D+1] (-1 unused)."""
+        """docs/contract.md §6 batch-major pair: indices [B, S] (-1 excluded), cu_seqlens int32 [B, D+1] (-1 unused)."""
         b_size, seq = self.ids.shape
         indices = torch.where(self.ids > 0, torch.arange(seq).expand(b_size, seq), -1)
         width = int(self.ids.max()) + 1
@@ -398,7 +398,7 @@ def test_te_padding_mask_equals_per_row_attention(case: Case, as_bool: bool) -> 
 
 
 def test_worked_example_from_spec() -> None:
-    """SPEC §9: row 0 = docs of 3 and 2 then 3 pads; row 1 = docs of 4 and 4 with column 2 ineligible."""
+    """docs/contract.md §9: row 0 = docs of 3 and 2 then 3 pads; row 1 = docs of 4 and 4 with column 2 ineligible."""
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
     case = Case(ids.clamp_max(2), ids, heads=4, kv_heads=2, head_dim=8, v_dim=8, window=2, seed=3)
     indices, cu, max_seqlen = case.flat_metadata()

@@ -47,7 +47,7 @@ def hand_batch(rows: list[dict[str, Any]]) -> SampleBatch:
 
 
 def reference_document_ids(positions: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """Slow, obviously-correct SPEC §4 rule (loops on purpose)."""
+    """Slow, obviously-correct docs/contract.md §4 rule (loops on purpose)."""
     pos = positions if positions.dim() == 3 else positions[None]
     _, rows, cols = pos.shape
     out = torch.zeros(rows, cols, dtype=torch.int64)
@@ -188,7 +188,7 @@ def test_real_chat_loss_mask(chat_source, tokenizer_dir):
 
 
 def spec_example() -> SampleBatch:
-    """SPEC §9: S = 8, row 0 = docs of 3 and 2 then 3 padding; row 1 = docs of 4 and 4 (+ the next token)."""
+    """docs/contract.md §9: S = 8, row 0 = docs of 3 and 2 then 3 padding; row 1 = docs of 4 and 4 (+ the next token)."""
     return hand_batch(
         [
             {"tokens": [11, 12, 13, 21, 22, 0, 0, 0, 0], "positions": [0, 1, 2, 0, 1, 0, 1, 2, 3], "pad": 4,

@@ -94,7 +94,7 @@ def tiny_model(kind: str, vocab_size: int, attn_implementation: str) -> torch.nn
 
 
 def documents(batch):
-    """``(row, start, end)`` of every document, from the SPEC §4 rule (independent of the loader's ids).
+    """``(row, start, end)`` of every document, from the docs/contract.md §4 rule (independent of the loader's ids).
 
     A document starts at column 0 and wherever the position is 0; padding ends the row.
     """

@@ -172,7 +172,7 @@ def check_final_map(collated, yielded, records, xdoc):
         assert torch.equal(yielded[F.POSITION_IDS], collated[F.POSITION_IDS])
     else:
         assert (attention[eligible] == 1).all()
-        # Record k of a row continues where record k - 1 ended, on all three axes (SPEC §5).
+        # Record k of a row continues where record k - 1 ended, on all three axes (docs/contract.md §6).
         offset, row, document = 0, -1, 0
         for record in records:
             if record["row"] != row:

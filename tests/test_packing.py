@@ -1,4 +1,4 @@
-"""Packed metadata, flattening and contracts (SPEC §5, §9)."""
+"""Packed metadata, flattening and contracts (docs/contract.md §6, §9)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_wrap")
 #: (record counts, weights): counts that divide neither each other nor the chunk sizes Zephon liked.
 MIXTURES = {
     "one": ((101,), (1.0,)),
-    "two_1:1": ((150, 70), (1.0, 1.0)),  # the case measured in SPEC §8
+    "two_1:1": ((150, 70), (1.0, 1.0)),  # the case measured on zephon 0.2.0 (a source whose count is not a multiple of the chunk)
     "two_3:1": ((151, 71), (3.0, 1.0)),
     "three_1:2:5": ((37, 53, 61), (1.0, 2.0, 5.0)),
 }

@@ -1,4 +1,4 @@
-"""The AutoModel recipe slot (SPEC §1): ``ZephonDataloaderConfig`` driven exactly as AutoModel 0.7.0 drives it.
+"""The AutoModel recipe slot (README, "AutoModel"): ``ZephonDataloaderConfig`` driven exactly as AutoModel 0.7.0 drives it.
 
 The YAML goes through AutoModel's own ``ConfigNode`` / ``load_yaml_config`` and
 ``cfg.dataloader.instantiate()``; ``build`` is called with the keyword set the

@@ -144,7 +144,7 @@ def _validate_document_ids(name: str, ids: torch.Tensor, padding: torch.Tensor) 
 def check_training_batch(
     batch: Mapping[str, Any], attention_eligibility: torch.Tensor | None = None
 ) -> None:
-    """Check every TrainingBatch invariant the final map relies on (SPEC §4, §5).
+    """Check every TrainingBatch invariant the final map relies on (docs/contract.md §4, §6).
 
     ``collate`` guarantees these for the batches it builds; call this on any
     other batch (a user's, one decoded from a saved state) before the bare

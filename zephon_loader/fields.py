@@ -6,7 +6,7 @@ the data flow) and the AutoModel 0.7.0 aliases the loader yields (right side).
 Other modules import these constants; a renamed AutoModel field is a one-line
 change in this file.
 
-Yielded batch per packed contract (SPEC §6), ``ids`` = attention document ids:
+Yielded batch per packed contract (docs/contract.md §7), ``ids`` = attention document ids:
 
 ==========================  ===================================================
 contract                    fields added to the always-present ones
@@ -79,7 +79,7 @@ USE_CACHE: Final = "use_cache"
 #: Fields every yielded batch carries, whatever the contract.
 ALWAYS: Final[tuple[str, ...]] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
 
-#: Fields added per packed mask type (SPEC §6 table).
+#: Fields added per packed mask type (docs/contract.md §7).
 BY_MASK_TYPE: Final[dict[str, tuple[str, ...]]] = {
     "document_ids": (ATTENTION_MASK,),
     "block_causal": (ATTENTION_MASK,),

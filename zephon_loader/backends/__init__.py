@@ -1,4 +1,4 @@
-"""Attention-backend helpers for packed batches: ``sdpa``, ``fa4`` and ``te`` (SPEC §7).
+"""Attention-backend helpers for packed batches: ``sdpa``, ``fa4`` and ``te`` (docs/contract.md §8).
 
 One module per backend translation (:mod:`.sdpa` with the packed-SDPA plan,
 :mod:`.fa4`, :mod:`.te`), the checks they share in :mod:`._checks`, and the

@@ -1,4 +1,4 @@
-"""Zephon ``SampleBatch`` -> TrainingBatch (SPEC §4).
+"""Zephon ``SampleBatch`` -> TrainingBatch (docs/contract.md §4).
 
 :func:`collate` calls ``SampleBatch.to_training(return_labels=True, ...)``
 (next-token shift, padding mask, Zephon's physical ``cu_seqlens``), derives
@@ -103,7 +103,7 @@ def _check_padding_labels(labels: torch.Tensor, padding_mask: torch.Tensor, wher
 
 
 def document_ids_from_positions(position_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Subdocument ids of input-aligned tokens (SPEC §4).
+    """Subdocument ids of input-aligned tokens (docs/contract.md §4).
 
     A new subdocument starts at column 0 and wherever the position is 0 on
     every axis. Ids are 1-based, increase left to right within a row, and are
