@@ -37,6 +37,7 @@ from zephon_loader import __version__
 from zephon_loader import fields as F
 from zephon_loader.cli.configs import WRAP_HINT, config_and_builder, no_batch_error
 from zephon_loader.cli.inspect import image_counts, inspect
+from zephon_loader.zephon_compat import worker_crash_info
 
 if TYPE_CHECKING:
     import torch
@@ -215,8 +216,8 @@ def _user_error(error: BaseException) -> str | None:
     """
     if isinstance(error, USER_ERRORS) or _is_zephon_validation_error(error):
         return " ".join(str(error).split()) or type(error).__name__
-    info = getattr(error, "info", None)
-    if type(error).__name__ == "WorkerCrashed" and info is not None:
+    info = worker_crash_info(error)
+    if info is not None:
         name = str(getattr(info, "exc_type", ""))
         known = getattr(builtins, name, None)
         if name in ("BadRecordError", "JSONDecodeError") or (
