@@ -34,7 +34,7 @@ from zephon import SampleBatch, SampleMeta, SampleRecord
 from zephon_loader import fields as F
 from zephon_loader.collate.text import collate
 from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
-from zephon_loader.loader import FinalMap
+from zephon_loader.finalize.final_map import FinalMap
 from zephon_loader.packing import build_packed_sequence_metadata
 from zephon_loader.contract import PackingContract
 

@@ -1,4 +1,4 @@
-"""The final map stage: yielded fields per contract (SPEC §6), against the rules and AutoModel 0.7.0."""
+"""The final map stage: yielded fields per contract (docs/contract.md §7), against the rules and AutoModel 0.7.0."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_requested_metadata_without_contract_requirement():
 
 
 def test_worked_example_flash_varlen():
-    """SPEC §9: the eligibility hole splits row 1's first document."""
+    """docs/contract.md §9: the eligibility hole splits row 1's first document."""
     ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
     eligibility = torch.ones(2, 8, dtype=torch.bool)
     eligibility[1, 2] = False
@@ -186,7 +186,7 @@ def test_final_map_trusts_collate_and_finalize_batch_validates(monkeypatch):
     """Issue 11: each property is validated once between Zephon and the yield (by collate); the loader's
     final map does not check the batch again, while finalize_batch on a caller's batch still does."""
     from zephon_loader.finalize import final_map as finalize
-    from zephon_loader.loader import FinalMap
+    from zephon_loader.finalize.final_map import FinalMap
 
     calls = []
     check = finalize.check_training_batch

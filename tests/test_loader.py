@@ -271,7 +271,7 @@ def test_yaml_path_and_relative_paths(sources, tokenizer_dir, tmp_path):
 
 
 def test_bundled_default_runs_from_package_data():
-    from zephon_loader.cli.commands import build_from_yaml
+    from zephon_loader.cli.configs import build_from_yaml
     from zephon_loader.config import default_config_path
 
     with build_from_yaml(default_config_path()) as loader:

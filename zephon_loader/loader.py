@@ -8,12 +8,12 @@ The ``torchdata.nodes`` graph, one direction::
   taken only in ``state_dict()``.
 * :class:`~zephon_loader.nodes.readahead.ReadAhead`: ``collate``
   (``SampleBatch.to_training`` + document ids), then the final map
-  (:func:`~zephon_loader.finalize.final_map.finalize_collated`, then the recipe's
-  ``collate_wrapper``) and pinning when CUDA is available; ``read_ahead``
+  (:class:`~zephon_loader.finalize.final_map.FinalMap`: finalize, the recipe's
+  ``collate_wrapper``, pinning when CUDA is available); ``read_ahead``
   batches ahead in a background thread, or inline when ``read_ahead`` is 0.
-* The state is the loader's own, the same whatever ``read_ahead`` is:
-  ``{"format", "fingerprint", "zephon_checkpoint", "buffered"}`` (see
-  :meth:`ZephonLoader.state_dict`); batches are re-routed by lane on an
+* The state is the loader's own, the same whatever ``read_ahead`` is: a
+  :class:`~zephon_loader.state.LoaderState` (its ``to_dict()`` is what
+  :meth:`ZephonLoader.state_dict` returns); batches are re-routed by lane on an
   elastic resume (:mod:`zephon_loader.nodes.handoff`).
 """
 
@@ -28,62 +28,15 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from zephon_loader import fields as F
-from zephon_loader.attention import check_training_batch
-from zephon_loader.finalize.final_map import FinalizeSettings, finalize_collated
+from zephon_loader.attention import adapt_model_inputs, join_subdocuments
+from zephon_loader.finalize.final_map import FinalizeSettings, FinalMap
 from zephon_loader.nodes.handoff import LaneHandoff
-from zephon_loader.nodes.readahead import ReadAhead, decode_batch
+from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
+from zephon_loader.state import STATE_FORMAT, LoaderState
 from zephon_loader.stats import LoaderStats
 
-#: Version tag of :meth:`ZephonLoader.state_dict`; bumped on incompatible changes.
-STATE_FORMAT = "zephon_loader.state/2"
-#: Earlier formats, with why they cannot be resumed.
-_RETIRED_FORMATS = {
-    "zephon_loader.state/1": (
-        "it was saved by an earlier zephon_loader whose state nested torchdata's node states, so its layout "
-        "depended on read_ahead and it did not carry the lane of read-ahead batches"
-    ),
-}
-
-
-class FinalMap:
-    """The final map stage as a picklable callable: finalize, then the recipe's wrapper, then pinning.
-
-    It receives what the loader's collate function built and trusts what
-    :func:`~zephon_loader.collate.text.collate` guarantees
-    (:func:`~zephon_loader.finalize.final_map.finalize_collated`): each property is
-    validated once between Zephon and the yield, by collate. A batch from
-    anywhere else must be checked first
-    (:func:`~zephon_loader.attention.check_training_batch`, or use
-    :func:`~zephon_loader.finalize.final_map.finalize_batch`).
-
-    Args:
-        settings: Fixed per loader.
-        collate_wrapper: AutoModel-style ``wrapper(collate_fn) -> collate_fn``;
-            it receives the finalized batch as its "examples".
-        pin_memory: Return pinned copies of the tensors (needs CUDA).
-    """
-
-    def __init__(
-        self, settings: FinalizeSettings, collate_wrapper: Callable | None = None, pin_memory: bool = False
-    ) -> None:
-        self.settings = settings
-        self._wrapped = collate_wrapper(_identity) if collate_wrapper is not None else None
-        self.pin_memory = pin_memory
-
-    def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        out = finalize_collated(batch, self.settings)
-        if F.SOURCE_COUNTS in batch:  # accounting rides along to the yield, where the loader takes it out
-            out[F.SOURCE_COUNTS] = batch[F.SOURCE_COUNTS]
-        if self._wrapped is not None:
-            out = self._wrapped(out)
-        if self.pin_memory:
-            out = {name: value.pin_memory() if isinstance(value, torch.Tensor) else value for name, value in out.items()}
-        return out
-
-
-def _identity(batch: Any) -> Any:
-    return batch
+__all__ = ["STATE_FORMAT", "EpochHook", "ZephonLoader"]
 
 
 class ZephonLoader(StatefulDataLoader):
@@ -93,10 +46,11 @@ class ZephonLoader(StatefulDataLoader):
     config's ``build``). Drop-in for a ``StatefulDataLoader`` slot:
 
     * ``for batch in loader``: dicts of CPU tensors (pinned when CUDA is
-      available) with AutoModel's names (SPEC §6). A new ``iter()`` starts a
-      new pass from the beginning (or from the state ``load_state_dict`` gave)
-      and invalidates the previous iterator: advancing that one raises
-      ``RuntimeError`` instead of silently moving the new pass.
+      available) with AutoModel's names (``docs/contract.md``, section 7).
+      A new ``iter()`` starts a new pass from the beginning (or from the
+      state ``load_state_dict`` gave) and invalidates the previous iterator:
+      advancing that one raises ``RuntimeError`` instead of silently moving
+      the new pass.
     * Epochs: an epoch is one pass as the config's ``mixture`` defines it
       (``repeat``: every source at least once, lighter ones repeating;
       ``once``: every record exactly once), in an order derived from
@@ -132,15 +86,8 @@ class ZephonLoader(StatefulDataLoader):
       workers, then runs ``on_close``. A loader dropped without ``close()``
       does the same when it is garbage-collected (``weakref.finalize``).
 
-    State layout (``STATE_FORMAT`` ``"zephon_loader.state/2"``)::
-
-        {"format": "zephon_loader.state/2",
-         "fingerprint": {...},                 # what fixes the stream (builders)
-         "epoch": int,                         # the epoch of the checkpoint (absent: 0)
-         "pass_ended": bool,                   # the epoch's pass was read to its end (absent: False)
-         "zephon_checkpoint": {...},           # pipeline.checkpoint(): every lane
-         "buffered": [{"lane": int,            # pulled from Zephon, not yet delivered,
-                       "batch": {...}}, ...]}  # collated (readahead.encode_batch), in order
+    State layout: :class:`~zephon_loader.state.LoaderState` (format
+    :data:`~zephon_loader.state.STATE_FORMAT`, ``"zephon_loader.state/2"``).
 
     Args:
         source: The Zephon source node (owned: closed with the loader).
@@ -154,6 +101,8 @@ class ZephonLoader(StatefulDataLoader):
         on_close: Called once after the workers stopped, by :meth:`close` or
             when the loader is collected (e.g. removes a tokenizer folder the
             builder saved); it must not refer to the loader.
+        stats: What was delivered and dropped, per source (:meth:`stats`);
+            its counts travel in the state. ``None``: no accounting.
 
     It subclasses torchdata's ``StatefulDataLoader`` only so that AutoModel
     0.7.0's recipe recognizes it as a dataloader and saves/loads its state per
@@ -192,7 +141,7 @@ class ZephonLoader(StatefulDataLoader):
         self._state_lock = threading.RLock()  # state_dict / load_state_dict / iter() / close()
         self._generation = 0  # bumped by iter() and preview(): older iterators are stale
         self._started = False  # the node has been reset for a pass
-        self._pending: dict[str, Any] | None = None  # loaded state, applied at the next iter()
+        self._pending: LoaderState | None = None  # loaded state, applied at the next iter()
         self._exhausted = False  # the last pass ended: the next iter() starts the next epoch
         self._epoch_chosen = False  # set_epoch() was called since: it decides the next epoch
         # Everything the finalizer touches is passed in: it must not keep the loader alive.
@@ -208,26 +157,26 @@ class ZephonLoader(StatefulDataLoader):
             pending, self._pending = self._pending, None
             # Resume inside a pass, or start one: after an ended pass (this loader's, or the loaded state's)
             # the next epoch, unless set_epoch chose one.
-            resume = pending is not None and not pending["pass_ended"]
+            resume = pending is not None and not pending.pass_ended
             if self._stats is not None and resume:  # deliveries count per pass
-                self._stats.load_state_dict(pending["stats"])
+                self._stats.load_state_dict(pending.stats)
             elif self._stats is not None:
                 self._stats.reset()
             self._generation += 1
             self._started = False
             if not resume:
-                ended_epoch = pending["epoch"] if pending is not None else self._source.epoch
+                ended_epoch = pending.epoch if pending is not None else self._source.epoch
                 if (pending is not None or self._exhausted) and not self._epoch_chosen:
                     self._source.set_epoch(ended_epoch + 1)
                 self._read_ahead.reset(None)
             else:
                 owned = self._handoff.owned_lanes()
-                source_state = {ZephonSource.STATE_KEY: pending["zephon_checkpoint"]}
-                if pending["epoch"]:
-                    source_state[ZephonSource.EPOCH_KEY] = pending["epoch"]
+                source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint}
+                if pending.epoch:
+                    source_state[ZephonSource.EPOCH_KEY] = pending.epoch
                 self._read_ahead.reset({
                     ReadAhead.SOURCE_KEY: source_state,
-                    ReadAhead.BUFFERED_KEY: [e for e in pending["buffered"] if e[ReadAhead.LANE_KEY] in owned],
+                    ReadAhead.BUFFERED_KEY: [e for e in pending.buffered if e[ReadAhead.LANE_KEY] in owned],
                 })
             self._exhausted = self._epoch_chosen = False
             self._started = True
@@ -327,9 +276,6 @@ class ZephonLoader(StatefulDataLoader):
         Raises:
             RuntimeError: The stream is empty.
         """
-        from zephon_loader import fields as F
-        from zephon_loader.attention import adapt_model_inputs, join_subdocuments
-
         with self._consume_lock, self._state_lock:
             self._check_open()
             self._generation += 1
@@ -350,11 +296,11 @@ class ZephonLoader(StatefulDataLoader):
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The exact position of the training loop (see the class docstring for the layout)."""
+        """The exact position of the training loop: :meth:`LoaderState.to_dict <zephon_loader.state.LoaderState.to_dict>`."""
         with self._state_lock:
             self._check_open()
             if self._pending is not None:
-                return copy.deepcopy(self._pending)
+                return copy.deepcopy(self._pending.to_dict())
             if self._started:
                 node = self._read_ahead.get_state()
                 source_state = node[ReadAhead.SOURCE_KEY]
@@ -363,15 +309,14 @@ class ZephonLoader(StatefulDataLoader):
                 source_state = self._source.state_dict()
                 local = []
             checkpoint = source_state[ZephonSource.STATE_KEY]
-            return {
-                "format": STATE_FORMAT,
-                "fingerprint": copy.deepcopy(self.fingerprint),
-                "epoch": int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
-                "pass_ended": self._exhausted,
-                "zephon_checkpoint": checkpoint,
-                "buffered": self._handoff.gather(checkpoint, local),
-                "stats": self._stats.state_dict() if self._stats is not None else None,
-            }
+            return LoaderState(
+                fingerprint=copy.deepcopy(self.fingerprint),
+                epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
+                pass_ended=self._exhausted,
+                zephon_checkpoint=checkpoint,
+                buffered=self._handoff.gather(checkpoint, local),
+                stats=self._stats.state_dict() if self._stats is not None else None,
+            ).to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` output at the next ``iter()``.
@@ -388,104 +333,13 @@ class ZephonLoader(StatefulDataLoader):
         """
         with self._state_lock:
             self._check_open()
-            self._pending = self._checked_state(state_dict)
-
-    def _checked_state(self, state_dict: Any) -> dict[str, Any]:
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"state_dict: got {type(state_dict).__name__}, expected the dict returned by ZephonLoader.state_dict()"
+            self._pending = LoaderState.from_dict(
+                state_dict,
+                fingerprint=self.fingerprint,
+                canonical_replicas=self._handoff.canonical_replicas,
+                check_checkpoint=lambda checkpoint: self._source.validate_state({ZephonSource.STATE_KEY: checkpoint}),
+                stats=self._stats,
             )
-        if not state_dict:
-            raise ValueError(
-                "state_dict: got an empty dict, expected the dict returned by ZephonLoader.state_dict(); "
-                "to start from the beginning, do not call load_state_dict"
-            )
-        format_ = state_dict.get("format")
-        if format_ != STATE_FORMAT:
-            why = _RETIRED_FORMATS.get(format_) if isinstance(format_, str) else None
-            raise ValueError(
-                f"state_dict.format: got {format_!r}, expected {STATE_FORMAT!r}; "
-                + (f"{why}; resume it with the zephon_loader version that saved it, or start a new pass "
-                   "(do not call load_state_dict)" if why else
-                   "this state was not saved by this version of ZephonLoader.state_dict()")
-            )
-        saved = state_dict.get("fingerprint")
-        if saved != self.fingerprint:
-            saved = saved if isinstance(saved, Mapping) else {}
-            differing = sorted(
-                key for key in set(saved) | set(self.fingerprint) if saved.get(key) != self.fingerprint.get(key)
-            )
-            details = "; ".join(
-                f"{key}: saved {saved.get(key)!r}, now {self.fingerprint.get(key)!r}" for key in differing[:6]
-            )
-            raise ValueError(
-                f"state_dict.fingerprint: the state was saved by a loader with a different configuration ({details}); "
-                "resume with the configuration it was saved with"
-            )
-        checkpoint = state_dict.get("zephon_checkpoint")
-        if not isinstance(checkpoint, Mapping):
-            raise ValueError(
-                f"state_dict.zephon_checkpoint: got {type(checkpoint).__name__}, no Zephon checkpoint found; expected "
-                "the dict returned by ZephonLoader.state_dict() (the state is truncated or corrupt)"
-            )
-        try:
-            self._source.validate_state({ZephonSource.STATE_KEY: checkpoint})
-        except Exception as error:  # Zephon raises several types for a bad schema
-            raise ValueError(f"state_dict: the Zephon checkpoint inside is corrupt or incompatible: {error}") from error
-        lanes = self._handoff.canonical_replicas
-        world = checkpoint.get("world")
-        saved_lanes = world.get("canonical_replicas") if isinstance(world, Mapping) else None
-        if saved_lanes is not None and saved_lanes != lanes:
-            raise ValueError(
-                f"state_dict.zephon_checkpoint.world.canonical_replicas: saved {saved_lanes!r}, now {lanes}; Zephon "
-                f"cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
-                f"{saved_lanes} (any DP size that divides it)"
-            )
-        epoch = state_dict.get("epoch", 0)
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"state_dict.epoch: got {epoch!r}, expected an int >= 0 (the epoch the state was saved in)")
-        pass_ended = state_dict.get("pass_ended", False)
-        if not isinstance(pass_ended, bool):
-            raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
-                             "was read to its end)")
-        buffered = state_dict.get("buffered")
-        if not isinstance(buffered, list):
-            raise ValueError(
-                f"state_dict.buffered: got {type(buffered).__name__}, expected the list of read-ahead batches "
-                "(empty without read-ahead) returned by ZephonLoader.state_dict()"
-            )
-        for index, entry in enumerate(buffered):
-            where = f"state_dict.buffered[{index}]"
-            lane = entry.get(ReadAhead.LANE_KEY) if isinstance(entry, Mapping) else None
-            if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < lanes:
-                raise ValueError(f"{where}.lane: got {lane!r}, expected a lane id in [0, {lanes})")
-            batch = entry.get(ReadAhead.BATCH_KEY)
-            if not isinstance(batch, Mapping):
-                raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
-            try:
-                # The final map trusts what collate guarantees; a batch from a file must earn that trust here.
-                decoded = decode_batch(batch)
-                check_training_batch(decoded, decoded.get(F.ATTENTION_ELIGIBILITY))
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{where}.batch: {error}") from error
-        return {
-            "format": STATE_FORMAT,
-            "fingerprint": copy.deepcopy(dict(saved)),
-            "epoch": epoch,
-            "pass_ended": pass_ended,
-            "zephon_checkpoint": copy.deepcopy(dict(checkpoint)),
-            "buffered": copy.deepcopy(buffered),
-            "stats": self._checked_stats(state_dict.get("stats")),
-        }
-
-    def _checked_stats(self, stats: Any) -> Any:
-        if self._stats is None:
-            return None
-        if not isinstance(stats, Mapping):
-            raise ValueError(f"state_dict.stats: got {type(stats).__name__}, expected the accounting dict "
-                             "returned by ZephonLoader.state_dict()")
-        LoaderStats(self._stats.source_names, self._stats.drop_log, self._stats.reasons).load_state_dict(stats)  # raises if malformed
-        return copy.deepcopy(dict(stats))
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:

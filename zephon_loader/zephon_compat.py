@@ -5,12 +5,38 @@ private attribute of a Zephon object: each such use is a named function or
 constant here, with what it wraps and why no public API serves. A Zephon
 upgrade is checked in this file.
 
-Imports nothing from :mod:`zephon_loader`.
+* :class:`ZephonKeys`: Zephon's payload and ``to_training`` key names.
+* Pipeline internals: :func:`runtime_options` (its ``RuntimeOptions``),
+  :func:`close_engine` (stop its engine from another thread).
+* Checkpoints: :func:`check_engine_state` (Zephon's checkpoint schema).
+* Cross-rank rounds: :func:`round_coordinator`, :func:`aggregate_round`
+  (the transport of Zephon's own checkpoint collective).
+* Errors and logs: :func:`worker_crash_info` (an operator's error re-raised
+  by the process runner), :data:`ZEPHON_PACK_LOGGER`.
+* Readers: :func:`jsonl_suffixes` (the file names Zephon reads as JSONL).
+
+Imports nothing from :mod:`zephon_loader`; Zephon itself is imported inside
+the functions that need it, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
-__all__ = ["ZEPHON_LOSS_MASK_KEY", "ZEPHON_TOKENS_KEY", "ZephonKeys"]
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = [
+    "ZEPHON_LOSS_MASK_KEY",
+    "ZEPHON_PACK_LOGGER",
+    "ZEPHON_TOKENS_KEY",
+    "ZephonKeys",
+    "aggregate_round",
+    "check_engine_state",
+    "close_engine",
+    "jsonl_suffixes",
+    "round_coordinator",
+    "runtime_options",
+    "worker_crash_info",
+]
 
 
 class ZephonKeys:
@@ -37,3 +63,131 @@ class ZephonKeys:
 
 ZEPHON_TOKENS_KEY = ZephonKeys.TOKENS
 ZEPHON_LOSS_MASK_KEY = ZephonKeys.LOSS_MASK
+
+
+#: The logger Zephon 0.2's ``PackSequences`` operator writes its packing notices to (its module's
+#: ``__name__``, under ``zephon._internal.ops``). Zephon has no public logger or hook for these notices.
+ZEPHON_PACK_LOGGER = "zephon._internal.ops.pack_sequences"
+
+#: The suffix Zephon reads as JSONL when :func:`jsonl_suffixes` cannot ask it.
+_JSONL_SUFFIX = ".jsonl"
+
+
+def runtime_options(pipeline: Any) -> Any:
+    """The ``zephon.options.RuntimeOptions`` of a ``zephon.Pipeline`` (live, not a copy).
+
+    Zephon 0.2 keeps them in ``Pipeline._options``; its public
+    ``Pipeline.options(**hints)`` only sets them, and nothing reads them back.
+    The loader needs them to know its ranks, lanes, runners and aggregation
+    transport.
+    """
+    return pipeline._options
+
+
+def close_engine(pipeline: Any) -> None:
+    """Close a ``zephon.Pipeline``'s engine from any thread, so that a ``next()`` blocked in it returns soon.
+
+    Wraps ``Pipeline._engine.close()``: Zephon 0.2 has no public call for this,
+    and ``close()`` of its engine is what Zephon itself calls from a thread
+    other than the iterating one (its final prefetch buffer's ``on_stop``).
+    Does nothing before Zephon built its engine (early in the first ``next()``).
+    """
+    engine = getattr(pipeline, "_engine", None)
+    if engine is not None:
+        engine.close()
+
+
+def check_engine_state(checkpoint: Mapping[str, Any]) -> None:
+    """Raise Zephon's own error unless ``checkpoint`` passes Zephon 0.2's checkpoint schema; starts nothing.
+
+    Wraps ``zephon._internal.checkpoint.EngineStateV2.load``: Zephon's public
+    ``Pipeline.restore`` checks the schema only when it applies the state, and
+    the loader checks a state when it is loaded, long before it is applied.
+    """
+    from zephon._internal.checkpoint import EngineStateV2
+
+    EngineStateV2.load(checkpoint)
+
+
+def round_coordinator(
+    options: Any, *, global_rank: int, world_size: int, plan_id: str, worker_info: Callable[[], tuple[int, int]]
+) -> Any:
+    """A coordinator of cross-rank rounds over the transport of ``options`` (``aggregate_dir`` or ``aggregate_store``).
+
+    Wraps ``zephon._internal.coordination.make_coordinator``, what Zephon 0.2's
+    ``checkpoint()`` collective runs on (the same ranks, storage and timeout).
+    Zephon has no public collective; reusing this one needs no process group
+    of the loader's own. Use it with :func:`aggregate_round`; release it with
+    its ``cleanup()``.
+    """
+    from zephon._internal.coordination import make_coordinator
+
+    return make_coordinator(
+        options, global_rank=global_rank, world_size=world_size, plan_id=plan_id, worker_info=worker_info
+    )
+
+
+def aggregate_round(
+    coordinator: Any,
+    local: Mapping[str, Any],
+    *,
+    reload_count: int,
+    is_leader: bool,
+    expected_ranks: frozenset[int],
+    expected_lanes: frozenset[int],
+    merge: Callable[[list[dict[str, Any]]], dict[str, Any]],
+) -> dict[str, Any]:
+    """Run one round of a :func:`round_coordinator`: every rank's ``local`` shard, merged by the leader, on every rank.
+
+    Wraps ``coordinator.reload_count`` (part of the round's namespace, as
+    Zephon sets it from its checkpoint's ``checkpoint_reload_count``) and
+    ``coordinator.aggregate(zephon._internal.coordination.AggregationRound(...))``.
+    ``local`` must carry ``world`` (``global_rank``, ``dp_group_id``,
+    ``mapping``) and ``progress`` (one key per lane): what Zephon checks the
+    round's coverage with.
+
+    Raises:
+        RuntimeError: The coordinator failed (a timeout naming the missing
+            ranks, unreadable storage).
+    """
+    from zephon._internal.coordination import AggregationRound
+
+    coordinator.reload_count = reload_count
+    return coordinator.aggregate(
+        AggregationRound(
+            local=local, is_leader=is_leader, expected_ranks=expected_ranks, expected_lanes=expected_lanes
+        ),
+        merge=merge,
+    )
+
+
+def worker_crash_info(error: BaseException) -> Any | None:
+    """What Zephon 0.2's process runner says about an operator's exception, or ``None`` for any other error.
+
+    That runner re-raises an exception of a worker process in the trainer as
+    ``zephon._internal.runners.concurrent.WorkerCrashed``, a ``RuntimeError``
+    whose ``info`` (a ``WorkerErrorInfo``) carries ``exc_type`` (the original
+    class name, a str), ``message`` and ``traceback``. Zephon exports neither
+    class; the type is recognized by its name, so this never imports Zephon.
+
+    Returns:
+        ``error.info`` when ``error`` is a ``WorkerCrashed`` carrying one, else ``None``.
+    """
+    if type(error).__name__ != "WorkerCrashed":
+        return None
+    return getattr(error, "info", None)
+
+
+def jsonl_suffixes() -> tuple[str, ...]:
+    """The file-name endings Zephon 0.2 reads as JSONL (e.g. ``.jsonl``, compressed variants).
+
+    Wraps ``zephon._internal.io.suffixes.JSONL_SUFFIXES``: Zephon's public
+    ``Dataset.from_path`` picks the reader from these endings but does not
+    export them. ``(".jsonl",)`` when that private module is gone.
+    """
+    try:
+        from zephon._internal.io.suffixes import JSONL_SUFFIXES
+
+        return tuple(JSONL_SUFFIXES)
+    except Exception:  # pragma: no cover - private module moved
+        return (_JSONL_SUFFIX,)

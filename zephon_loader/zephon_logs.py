@@ -1,7 +1,7 @@
 """Zephon's repeated packing notices: counted while they happen, reported once under ``zephon_loader``.
 
 Zephon's ``PackSequences`` logs a ``WARNING`` at every flush of a packing
-group (``zephon._internal.ops.pack_sequences``, no handler of its own, so
+group (to :data:`ZEPHON_PACK_LOGGER`, which has no handler of its own, so
 Python's last-resort handler prints each one to stderr, through any progress
 bar):
 
@@ -38,10 +38,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from zephon_loader.zephon_compat import ZEPHON_PACK_LOGGER
+
 __all__ = ["PACKAGE_LOGGER", "ZEPHON_PACK_LOGGER", "ZephonLogSummary", "summarize_zephon_logs"]
 
-#: The logger Zephon's ``PackSequences`` writes to.
-ZEPHON_PACK_LOGGER = "zephon._internal.ops.pack_sequences"
 #: This package's logger: the summaries are logged here.
 PACKAGE_LOGGER = "zephon_loader"
 

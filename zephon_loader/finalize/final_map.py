@@ -6,31 +6,34 @@ One pure function of the batch and of settings fixed at loader construction::
 
 Each property is validated once on the way from Zephon to the yield:
 
-* :func:`finalize_collated` is what the loader runs (``FinalMap``). It trusts
-  what ``collate`` guarantees (shapes, dtypes, trailing padding, nonnegative
-  positions, well-formed document ids) and checks only what no earlier stage
-  does (the ``position_ids`` contract's positions-vs-documents agreement).
+* :func:`finalize_collated` is what the loader runs (:class:`FinalMap`). It
+  trusts what ``collate`` guarantees (shapes, dtypes, trailing padding,
+  nonnegative positions, well-formed document ids) and checks only what no
+  earlier stage does (the ``position_ids`` contract's positions-vs-documents
+  agreement).
 * :func:`finalize_batch` is the public entry for any other batch: it validates
   everything first (:func:`~zephon_loader.attention.check_training_batch`),
   then runs the same transform.
+* :class:`FinalMap` is the stage as the loader's read-ahead runs it: a
+  picklable callable that finalizes, applies the recipe's ``collate_wrapper``
+  and pins memory.
 
 The contract is validated once, by :meth:`FinalizeSettings.from_contract`.
-See SPEC §6 and the table in :mod:`zephon_loader.fields` for what each
-contract yields.
+``docs/contract.md`` (section 7, "The yielded batch") and the table in
+:mod:`zephon_loader.fields` say what each contract yields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from zephon_loader import fields as F
 from zephon_loader.attention import attention_document_ids, check_training_batch, join_subdocuments, require_supported_packing_contract
-from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES
+from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract
 from zephon_loader.packing import build_packed_sequence_metadata, compact_left, document_lengths
-from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract
 
 #: Internal keys the final map consumes; everything else not yielded by the
 #: contract passes through unchanged (e.g. processor outputs like pixel values).
@@ -290,7 +293,8 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
 
     Returns:
         A new dict with AutoModel's names: ``input_ids``, ``labels``,
-        ``position_ids``, ``padding_mask``, then the contract's fields (SPEC §6),
+        ``position_ids``, ``padding_mask``, then the contract's fields
+        (``docs/contract.md``, section 7),
         ``_packed_seq_ids`` when a row holds more than one document or
         metadata is on, and any extra (non-internal) keys of ``batch``
         unchanged.
@@ -327,3 +331,47 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
         if name not in out and name not in _CONSUMED:
             out[name] = value
     return out
+
+
+class FinalMap:
+    """The final map stage as a picklable callable: finalize, then the recipe's wrapper, then pinning.
+
+    It receives what the loader's collate function built and trusts what
+    :func:`~zephon_loader.collate.text.collate` guarantees
+    (:func:`finalize_collated`): each property is validated once between
+    Zephon and the yield, by collate. A batch from anywhere else must be
+    checked first (:func:`~zephon_loader.attention.check_training_batch`, or
+    use :func:`finalize_batch`).
+
+    Calling it returns a new dict: :func:`finalize_collated`'s output, plus the
+    batch's per-source accounting (``fields.SOURCE_COUNTS``) when present
+    (the loader takes it out at the yield), passed through ``collate_wrapper``;
+    with ``pin_memory`` every tensor is a pinned copy.
+
+    Args:
+        settings: Fixed per loader.
+        collate_wrapper: AutoModel-style ``wrapper(collate_fn) -> collate_fn``;
+            it receives the finalized batch as its "examples".
+        pin_memory: Return pinned copies of the tensors (needs CUDA).
+    """
+
+    def __init__(
+        self, settings: FinalizeSettings, collate_wrapper: Callable | None = None, pin_memory: bool = False
+    ) -> None:
+        self.settings = settings
+        self._wrapped = collate_wrapper(_identity) if collate_wrapper is not None else None
+        self.pin_memory = pin_memory
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        out = finalize_collated(batch, self.settings)
+        if F.SOURCE_COUNTS in batch:  # accounting rides along to the yield, where the loader takes it out
+            out[F.SOURCE_COUNTS] = batch[F.SOURCE_COUNTS]
+        if self._wrapped is not None:
+            out = self._wrapped(out)
+        if self.pin_memory:
+            out = {name: value.pin_memory() if isinstance(value, torch.Tensor) else value for name, value in out.items()}
+        return out
+
+
+def _identity(batch: Any) -> Any:
+    return batch

@@ -14,8 +14,8 @@ loads ``dp_rank_{r}``; going from 2 ranks to 1, only rank 0's). So
 :meth:`LaneHandoff.gather` collects every rank's buffered batches, tagged with
 their lane, into every rank's state, through the transport Zephon's own
 checkpoint uses (its round coordinator over ``aggregate_dir`` or
-``aggregate_store``, in a namespace of its own, with the same ranks, storage
-and timeout); on resume each rank keeps the batches of the lanes it owns
+``aggregate_store``, :func:`~zephon_loader.zephon_compat.round_coordinator`,
+in a namespace of its own, with the same ranks, storage and timeout); on resume each rank keeps the batches of the lanes it owns
 (:meth:`LaneHandoff.owned_lanes`). Cost: each rank's state holds up to
 ``read_ahead * dp_world_size`` collated batches.
 
@@ -29,6 +29,8 @@ import dataclasses
 import os
 import warnings
 from typing import Any, Mapping, Sequence
+
+from zephon_loader.zephon_compat import aggregate_round, round_coordinator, runtime_options
 
 __all__ = ["LaneHandoff", "lane_mapping"]
 
@@ -72,30 +74,30 @@ class LaneHandoff:
         self._coordinator: Any = None
 
     @property
-    def _options(self) -> Any:
-        return self._pipeline._options  # zephon 0.2.0 keeps RuntimeOptions here (no public accessor)
+    def _runtime(self) -> Any:
+        return runtime_options(self._pipeline)
 
     @property
     def canonical_replicas(self) -> int:
         """Number of canonical lanes; lane ids are ``0 .. canonical_replicas - 1``."""
-        options = self._options
+        options = self._runtime
         if options.canonical_replicas is not None:
             return int(options.canonical_replicas)
         return int(options.dp_degree) if options.dp_degree is not None else int(options.world_size or 1)
 
     def _dp_group(self) -> int:
-        options = self._options
+        options = self._runtime
         return int(options.dp_group_id) if options.dp_group_id is not None else int(options.global_rank or 0)
 
     @property
     def data_parallel(self) -> tuple[int, int]:
         """``(dp_rank, dp_world_size)`` the pipeline was built for."""
-        options = self._options
+        options = self._runtime
         return self._dp_group(), int(options.dp_degree or options.world_size or 1)
 
     def owned_lanes(self) -> frozenset[int]:
         """The lanes this rank reads now."""
-        return frozenset(lane_mapping(self._options)[self._dp_group()])
+        return frozenset(lane_mapping(self._runtime)[self._dp_group()])
 
     def gather(self, checkpoint: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Every rank's buffered ``{"lane", "batch"}`` entries, on every rank. A collective.
@@ -115,14 +117,11 @@ class LaneHandoff:
             RuntimeError: Zephon's coordinator failed (timeout naming the
                 missing ranks, unreadable storage).
         """
-        options = self._options
+        options = self._runtime
         world = int(options.world_size or 1)
         if world == 1:
             return [dict(entry) for entry in entries]
-        from zephon._internal.coordination import AggregationRound
-
         coordinator = self._coordinator_for(options, world)
-        coordinator.reload_count = int(checkpoint.get("checkpoint_reload_count") or 0)
         mapping = lane_mapping(options)
         group = self._dp_group()
         local = {
@@ -135,25 +134,23 @@ class LaneHandoff:
             "progress": {str(lane): 0 for lane in mapping[group]},
             "buffered": [dict(entry) for entry in entries],
         }
-        merged = coordinator.aggregate(
-            AggregationRound(
-                local=local,
-                is_leader=int(options.global_rank or 0) == 0,
-                expected_ranks=frozenset(range(world)),
-                expected_lanes=frozenset(range(self.canonical_replicas)),
-            ),
+        merged = aggregate_round(
+            coordinator,
+            local,
+            reload_count=int(checkpoint.get("checkpoint_reload_count") or 0),
+            is_leader=int(options.global_rank or 0) == 0,
+            expected_ranks=frozenset(range(world)),
+            expected_lanes=frozenset(range(self.canonical_replicas)),
             merge=_merge_shards,
         )
         return [dict(entry) for entry in merged["buffered"]]
 
     def _coordinator_for(self, options: Any, world: int) -> Any:
         if self._coordinator is None:
-            from zephon._internal.coordination import make_coordinator
-
             ours = {"run_id": f"{options.run_id}{NAMESPACE_SUFFIX}"}
             if options.aggregate_dir:  # a folder of its own beside Zephon's run folders
                 ours["aggregate_dir"] = os.path.join(os.fspath(options.aggregate_dir), NAMESPACE_SUFFIX.lstrip("."))
-            self._coordinator = make_coordinator(
+            self._coordinator = round_coordinator(
                 dataclasses.replace(options, **ours),
                 global_rank=int(options.global_rank or 0),
                 world_size=world,

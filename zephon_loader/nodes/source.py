@@ -23,10 +23,9 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from zephon_loader.errors import field_error as _err
+from zephon_loader.zephon_compat import check_engine_state, close_engine, worker_crash_info
 
 __all__ = ["ZephonSource"]
-
-
 
 
 # ----------------------------------------------------------------------------- torchdata node
@@ -181,10 +180,10 @@ class ZephonSource(BaseNode):
                 raise
             raise self._shards.unparsable(error) from error
         except RuntimeError as error:
-            # Zephon's process runner re-raises a worker's exception as WorkerCrashed (a RuntimeError
-            # with ``info.exc_type`` / ``info.message``): a bad record is a BadRecordError under every runner.
-            info = getattr(error, "info", None)
-            if type(error).__name__ == "WorkerCrashed" and getattr(info, "exc_type", None) == "BadRecordError":
+            # Zephon's process runner re-raises a worker's exception wrapped (``worker_crash_info``):
+            # a bad record is a BadRecordError under every runner.
+            info = worker_crash_info(error)
+            if getattr(info, "exc_type", None) == "BadRecordError":
                 from zephon_loader.errors import BadRecordError
 
                 raise BadRecordError(str(info.message)) from error
@@ -223,9 +222,7 @@ class ZephonSource(BaseNode):
         Raises:
             ValueError: Not a tagged checkpoint; Zephon's own error for a bad schema.
         """
-        from zephon._internal.checkpoint import EngineStateV2
-
-        EngineStateV2.load(_restorable(self._checkpoint_of(state)))
+        check_engine_state(_restorable(self._checkpoint_of(state)))
 
     def cancel(self) -> None:
         """From any thread: stop Zephon's engine so that a ``next()`` blocked in it returns soon.
@@ -235,16 +232,12 @@ class ZephonSource(BaseNode):
         join that thread, then :meth:`close` (the source is not meant to be
         read again before a ``reset()``). The ``next()`` in progress ends with
         ``StopIteration`` or Zephon's error; worker processes get the grace
-        period. Zephon 0.2.0 has no public call for this: its engine's
-        ``close()`` is what Zephon itself calls from another thread than the
-        iterating one (its final prefetch buffer's ``on_stop``). Does nothing
-        before Zephon built its engine, early in the first ``next()``.
-        Idempotent.
+        period. The engine is closed by
+        :func:`~zephon_loader.zephon_compat.close_engine`, which does nothing
+        before Zephon built it (early in the first ``next()``). Idempotent.
         """
         self._workers.shut_down()
-        engine = getattr(self._pipeline, "_engine", None)
-        if engine is not None:
-            engine.close()
+        close_engine(self._pipeline)
 
     def close(self) -> None:
         """Stop Zephon's worker threads/processes; none is left when it returns. Safe to call more than once."""

@@ -11,7 +11,7 @@ which changes four things (measured on 2 shared cores; reproduce with
 
 * **Start method.** Under ``spawn`` every worker is a fresh interpreter that
   imports Zephon and torch again (about 1.6 CPU-seconds each, 11 workers): the
-  first batch came after 10 s on idle cores, 17-55 s on busy ones. A pipeline
+  first batch comes after 10 s on idle cores, 17-55 s on busy ones. A pipeline
   left on Zephon's default uses
   :data:`DEFAULT_START_METHOD` (``forkserver``) with :data:`FORKSERVER_PRELOAD`:
   the fork server imports those modules once and forks every worker from
@@ -25,7 +25,7 @@ which changes four things (measured on 2 shared cores; reproduce with
   first ``process``-runner loader. An explicit start method (a ``mp_context``
   string or another context) is kept; pass ``"spawn"`` to keep spawn.
 * **Orphans.** A SIGKILLed trainer runs no cleanup, and Zephon's workers wait
-  on their task queue forever (14 processes were left). A contained worker
+  on their task queue forever (14 processes left behind). A contained worker
   runs a thread that waits on ``multiprocessing``'s parent sentinel (a pipe
   that reads EOF once the parent process is gone) and exits at once; the fork
   server and the resource tracker exit by themselves when the trainer is gone.
@@ -38,12 +38,13 @@ which changes four things (measured on 2 shared cores; reproduce with
   (``KeyboardInterrupt`` in its loop, then ``close()``).
 * **Slow shutdown.** Zephon stops its workers one operator after the other,
   waiting up to 10 s for each worker, after up to 5 s draining the batches in
-  flight (``close()`` took 5 s on idle cores, 10-17 s on busy ones, 32 s with
-  a worker stuck in an operator; now 1.4-2.5 s). When a shutdown begins
-  (:meth:`WorkerContext.shut_down`, called by ``ZephonSource`` before it asks
-  Zephon to stop) the workers alive then get :data:`WORKER_GRACE_S` and are
-  SIGKILLed after it, and a pipeline with a ``process`` stage is closed with
-  Zephon's ``shutdown_mode="hard"`` (0.5 s waits). Nothing is lost: a Zephon
+  flight (uncontained, ``close()`` takes 5 s on idle cores, 10-17 s on busy
+  ones, 32 s with a worker stuck in an operator; contained, 1.4-2.5 s). When a
+  shutdown begins (:meth:`WorkerContext.shut_down`, called by ``ZephonSource``
+  before it asks Zephon to stop) the workers alive then get
+  :data:`WORKER_GRACE_S` and are SIGKILLed after it, and a pipeline with a
+  ``process`` stage is closed with Zephon's ``shutdown_mode="hard"`` (0.5 s
+  waits). Nothing is lost: a Zephon
   worker holds nothing a checkpoint needs (checkpoints are taken in the
   training process) and Zephon discards the batches in flight at a shutdown.
 
@@ -73,6 +74,8 @@ from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+from zephon_loader.zephon_compat import runtime_options
 
 __all__ = [
     "DEFAULT_START_METHOD",
@@ -344,12 +347,12 @@ def contain_workers(pipeline: Any) -> WorkerContext:
     ``shutdown_mode="hard"``: a closed engine then waits 0.5 s instead of 5 s
     for the batches in flight (which it discards either way) and 0.5 s instead
     of 10 s per worker. Thread runners keep ``"graceful"``: under ``"hard"``
-    Zephon leaves their threads running after ``close()``. Zephon 0.2.0 has no
-    public getter for its options, so they are read from ``pipeline._options``.
-    Call before the pipeline is first iterated: Zephon reads ``mp_context``
-    when it builds its engine.
+    Zephon leaves their threads running after ``close()``. The options are
+    read with :func:`~zephon_loader.zephon_compat.runtime_options`. Call
+    before the pipeline is first iterated: Zephon reads ``mp_context`` when it
+    builds its engine.
     """
-    options = getattr(pipeline, "_options", None)
+    options = runtime_options(pipeline)
     current = getattr(options, "mp_context", None)
     if current is None or current is multiprocessing.get_context("spawn"):  # Zephon's default object
         method = DEFAULT_START_METHOD

@@ -27,6 +27,7 @@ from typing import Any
 from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.provenance import ShardTable
+from zephon_loader.zephon_compat import jsonl_suffixes
 
 __all__ = [
     "CHUNKS_PER_LANE",
@@ -40,7 +41,6 @@ __all__ = [
 
 #: Zephon's own default ``StaticMixtureWorkSource(chunk_size=...)``; the upper bound we pick from.
 DEFAULT_CHUNK_SIZE = 16384
-_JSONL_SUFFIX = ".jsonl"
 _PARQUET_SUFFIX = ".parquet"
 
 
@@ -65,7 +65,7 @@ def check_source_dir(where: str, configured: str, path: Path) -> Path:
     if not path.is_dir():
         raise ValueError(_err(where, raw, "a directory (not a file)", "Pass the directory that holds the shards."))
     names = [p.name for p in path.iterdir() if p.is_file()]
-    jsonl = [n for n in names if n.endswith(_jsonl_suffixes())]
+    jsonl = [n for n in names if n.endswith(jsonl_suffixes())]
     parquet = [n for n in names if n.endswith(_PARQUET_SUFFIX)]
     if not jsonl and not parquet:
         raise ValueError(
@@ -78,15 +78,6 @@ def check_source_dir(where: str, configured: str, path: Path) -> Path:
                  "Zephon reads only the JSONL files of a mixed directory; split the formats into two sources.")
         )
     return path
-
-
-def _jsonl_suffixes() -> tuple[str, ...]:
-    try:
-        from zephon._internal.io.suffixes import JSONL_SUFFIXES
-
-        return tuple(JSONL_SUFFIXES)
-    except Exception:  # pragma: no cover - private module moved
-        return (_JSONL_SUFFIX,)
 
 
 def _liveness_required(share: float, chunk_size: int) -> int:

@@ -1,0 +1,216 @@
+"""The loader's saved position: :class:`LoaderState`, its format tag and every check a loaded state passes.
+
+:meth:`ZephonLoader.state_dict <zephon_loader.loader.ZephonLoader.state_dict>`
+returns ``LoaderState.to_dict()`` and
+:meth:`~zephon_loader.loader.ZephonLoader.load_state_dict` keeps
+``LoaderState.from_dict(...)`` until the next ``iter()``. The dict is JSON- and
+pickle-safe (plain dicts, lists, ints, bools, strings)::
+
+    {"format": "zephon_loader.state/2",
+     "fingerprint": {...},                 # what fixes the stream (the builders)
+     "epoch": int,                         # the epoch of the checkpoint (absent: 0)
+     "pass_ended": bool,                   # the epoch's pass was read to its end (absent: False)
+     "zephon_checkpoint": {...},           # pipeline.checkpoint(): every lane
+     "buffered": [{"lane": int,            # pulled from Zephon, not yet delivered,
+                   "batch": {...}}, ...],  # collated (readahead.encode_batch), in order
+     "stats": {...} | None}                # LoaderStats.state_dict(); None without accounting
+
+What a check needs from the loader (its fingerprint, its lane count, its
+source's checkpoint check, its accounting) is passed to
+:meth:`LoaderState.from_dict`; this module knows nothing of the loader.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from zephon_loader import fields as F
+from zephon_loader.attention import check_training_batch
+from zephon_loader.nodes.readahead import ReadAhead, decode_batch
+from zephon_loader.stats import LoaderStats
+
+__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState"]
+
+#: Version tag of a saved state (its ``format``); bumped on incompatible changes.
+STATE_FORMAT = "zephon_loader.state/2"
+#: Earlier formats, with why they cannot be resumed.
+RETIRED_FORMATS = {
+    "zephon_loader.state/1": (
+        "it was saved by an earlier zephon_loader whose state nested torchdata's node states, so its layout "
+        "depended on read_ahead and it did not carry the lane of read-ahead batches"
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderState:
+    """One exact position of a :class:`~zephon_loader.loader.ZephonLoader` stream.
+
+    Field order is the key order of :meth:`to_dict`.
+
+    Attributes:
+        format: :data:`STATE_FORMAT`.
+        fingerprint: JSON-able description of everything that fixes the stream;
+            a state is only loaded by a loader with the same one.
+        epoch: The epoch of ``zephon_checkpoint`` (``>= 0``).
+        pass_ended: That epoch's pass was read to its end: the state resumes at
+            the start of the next epoch.
+        zephon_checkpoint: ``pipeline.checkpoint()``, Zephon's merged state of
+            every lane (the same on every rank).
+        buffered: Batches pulled from Zephon and not yet delivered, in delivery
+            order, every rank's: ``{"lane": int, "batch": <encode_batch>}``.
+        stats: :meth:`LoaderStats.state_dict` of the delivered counts, or
+            ``None`` for a loader built without accounting.
+    """
+
+    format: str = STATE_FORMAT
+    fingerprint: dict[str, Any]
+    epoch: int
+    pass_ended: bool
+    zephon_checkpoint: dict[str, Any]
+    buffered: list[dict[str, Any]]
+    stats: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as a plain dict, one key per field in field order; the values are this state's own (not copied)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(
+        cls,
+        state: Any,
+        *,
+        fingerprint: Mapping[str, Any],
+        canonical_replicas: int,
+        check_checkpoint: Callable[[Mapping[str, Any]], None],
+        stats: LoaderStats | None,
+    ) -> "LoaderState":
+        """Check a saved state against the loader that is to resume it; a deep copy of it.
+
+        Checked in this order: a non-empty mapping; ``format`` (a retired one
+        says why it cannot be resumed); ``fingerprint`` (the differing keys are
+        named, at most 6); ``zephon_checkpoint`` (a mapping that Zephon's
+        schema accepts, with ``canonical_replicas`` lanes); ``epoch``;
+        ``pass_ended``; ``buffered`` (a list of entries whose lane is in
+        ``[0, canonical_replicas)`` and whose batch decodes and holds what
+        collate guarantees, since the final map trusts it); ``stats``.
+
+        Args:
+            state: What :meth:`to_dict` returned, possibly after a JSON or
+                pickle round trip.
+            fingerprint: The resuming loader's fingerprint.
+            canonical_replicas: The resuming loader's Zephon lane count.
+            check_checkpoint: Raises for a Zephon checkpoint its schema refuses
+                (:meth:`ZephonSource.validate_state
+                <zephon_loader.nodes.source.ZephonSource.validate_state>`).
+            stats: The resuming loader's accounting, or ``None`` (then the
+                saved ``stats`` is ignored and the result holds ``None``).
+
+        Raises:
+            TypeError: Not a mapping.
+            ValueError: Empty, another or a retired format, another
+                fingerprint, a corrupt Zephon checkpoint or one with another
+                lane count, a malformed epoch, pass_ended, buffered batch or
+                stats. Each message names the field.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"state_dict: got {type(state).__name__}, expected the dict returned by ZephonLoader.state_dict()"
+            )
+        if not state:
+            raise ValueError(
+                "state_dict: got an empty dict, expected the dict returned by ZephonLoader.state_dict(); "
+                "to start from the beginning, do not call load_state_dict"
+            )
+        format_ = state.get("format")
+        if format_ != STATE_FORMAT:
+            why = RETIRED_FORMATS.get(format_) if isinstance(format_, str) else None
+            raise ValueError(
+                f"state_dict.format: got {format_!r}, expected {STATE_FORMAT!r}; "
+                + (f"{why}; resume it with the zephon_loader version that saved it, or start a new pass "
+                   "(do not call load_state_dict)" if why else
+                   "this state was not saved by this version of ZephonLoader.state_dict()")
+            )
+        saved = state.get("fingerprint")
+        if saved != fingerprint:
+            saved = saved if isinstance(saved, Mapping) else {}
+            differing = sorted(key for key in set(saved) | set(fingerprint) if saved.get(key) != fingerprint.get(key))
+            details = "; ".join(
+                f"{key}: saved {saved.get(key)!r}, now {fingerprint.get(key)!r}" for key in differing[:6]
+            )
+            raise ValueError(
+                f"state_dict.fingerprint: the state was saved by a loader with a different configuration ({details}); "
+                "resume with the configuration it was saved with"
+            )
+        checkpoint = state.get("zephon_checkpoint")
+        if not isinstance(checkpoint, Mapping):
+            raise ValueError(
+                f"state_dict.zephon_checkpoint: got {type(checkpoint).__name__}, no Zephon checkpoint found; expected "
+                "the dict returned by ZephonLoader.state_dict() (the state is truncated or corrupt)"
+            )
+        try:
+            check_checkpoint(checkpoint)
+        except Exception as error:  # Zephon raises several types for a bad schema
+            raise ValueError(f"state_dict: the Zephon checkpoint inside is corrupt or incompatible: {error}") from error
+        world = checkpoint.get("world")
+        saved_lanes = world.get("canonical_replicas") if isinstance(world, Mapping) else None
+        if saved_lanes is not None and saved_lanes != canonical_replicas:
+            raise ValueError(
+                f"state_dict.zephon_checkpoint.world.canonical_replicas: saved {saved_lanes!r}, now {canonical_replicas}; "
+                "Zephon cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
+                f"{saved_lanes} (any DP size that divides it)"
+            )
+        epoch = state.get("epoch", 0)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"state_dict.epoch: got {epoch!r}, expected an int >= 0 (the epoch the state was saved in)")
+        pass_ended = state.get("pass_ended", False)
+        if not isinstance(pass_ended, bool):
+            raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
+                             "was read to its end)")
+        buffered = state.get("buffered")
+        if not isinstance(buffered, list):
+            raise ValueError(
+                f"state_dict.buffered: got {type(buffered).__name__}, expected the list of read-ahead batches "
+                "(empty without read-ahead) returned by ZephonLoader.state_dict()"
+            )
+        for index, entry in enumerate(buffered):
+            _check_buffered_entry(f"state_dict.buffered[{index}]", entry, canonical_replicas)
+        return cls(
+            format=STATE_FORMAT,
+            fingerprint=copy.deepcopy(dict(saved)),
+            epoch=epoch,
+            pass_ended=pass_ended,
+            zephon_checkpoint=copy.deepcopy(dict(checkpoint)),
+            buffered=copy.deepcopy(buffered),
+            stats=_checked_stats(state.get("stats"), stats),
+        )
+
+
+def _check_buffered_entry(where: str, entry: Any, lanes: int) -> None:
+    """Raise ``ValueError`` (naming ``where``) unless ``entry`` is ``{"lane": <lane id>, "batch": <collated batch>}``."""
+    lane = entry.get(ReadAhead.LANE_KEY) if isinstance(entry, Mapping) else None
+    if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < lanes:
+        raise ValueError(f"{where}.lane: got {lane!r}, expected a lane id in [0, {lanes})")
+    batch = entry.get(ReadAhead.BATCH_KEY)
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
+    try:
+        # The final map trusts what collate guarantees; a batch from a file must earn that trust here.
+        decoded = decode_batch(batch)
+        check_training_batch(decoded, decoded.get(F.ATTENTION_ELIGIBILITY))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}.batch: {error}") from error
+
+
+def _checked_stats(saved: Any, stats: LoaderStats | None) -> dict[str, Any] | None:
+    """A deep copy of the saved accounting once a fresh copy of ``stats`` loaded it; ``None`` without accounting."""
+    if stats is None:
+        return None
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"state_dict.stats: got {type(saved).__name__}, expected the accounting dict "
+                         "returned by ZephonLoader.state_dict()")
+    LoaderStats(stats.source_names, stats.drop_log, stats.reasons).load_state_dict(saved)  # raises if malformed
+    return copy.deepcopy(dict(saved))
