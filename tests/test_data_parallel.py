@@ -116,3 +116,15 @@ def test_a_group_of_four_gives_its_rank_and_size(jsonl_sources, tokenizer_dir, m
     cfg = text_loader_config(**_config(jsonl_sources, tokenizer_dir))
     dp = data_parallel(cfg, None, None, object())
     assert (dp.rank, dp.size, dp.aggregate_store) == (3, 4, "torch://")
+
+
+def test_a_loader_built_before_the_process_group_refuses_to_run_under_several_ranks(jsonl_sources, tokenizer_dir,
+                                                                                     monkeypatch):
+    """Lightning starts its DDP processes inside ``fit``: a loader built before reads one lane for every rank."""
+    with build_text_loader(_config(jsonl_sources, tokenizer_dir)) as loader, \
+            build_text_loader(_config(jsonl_sources, tokenizer_dir), dp_rank=0, dp_world_size=1) as explicit:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        with pytest.raises(RuntimeError, match=r"built as the only data-parallel rank .* process group of 2 ranks"):
+            iter(loader)
+        assert next(iter(explicit))["input_ids"].shape == (2, 32)  # coordinates passed: one rank on purpose

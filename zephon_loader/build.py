@@ -62,6 +62,7 @@ def build_loader(
     collate_wrapper: Callable | None = None,
     dataset_build_context: ContextManager[Any] | None = None,
     pin_memory: bool | None = None,
+    loader_class: type[ZephonLoader] | None = None,
 ) -> ZephonLoader:
     """Build a loader of ``cfg`` with ``stage`` (see :func:`build_text_loader` for the arguments).
 
@@ -92,6 +93,11 @@ def build_loader(
     eligibility = stage.attention_eligibility
     settings = finalize(attention_eligibility=eligibility)
     dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
+    import torch.distributed as dist
+
+    # Coordinates defaulted to one rank only because no process group existed yet: checked again at iter().
+    single_rank_by_default = (dp_rank is None and dp_group is None
+                              and not (dist.is_available() and dist.is_initialized()))
 
     owned: list[str] = []
     try:
@@ -113,7 +119,11 @@ def build_loader(
 
     fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, stage.micro_batch_size, stage.fingerprint(built))
     extra = {"processor": stage.processor} if isinstance(stage, ImageStage) else {}
-    loader_class = ImageLoader if isinstance(stage, ImageStage) else ZephonLoader
+    kind = ImageLoader if isinstance(stage, ImageStage) else ZephonLoader
+    if loader_class is None:
+        loader_class = kind
+    elif not (isinstance(loader_class, type) and issubclass(loader_class, kind)):
+        raise TypeError(f"loader_class: got {loader_class!r}, expected a subclass of {kind.__name__}")
     return loader_class(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(stage.collate(built)),
@@ -124,6 +134,7 @@ def build_loader(
         pin_memory=pin_memory,
         on_close=partial(_remove, owned),
         stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons=stage.drop_reasons()),
+        single_rank_by_default=single_rank_by_default,
         **extra,
     )
 
@@ -139,6 +150,7 @@ def build_text_loader(
     collate_wrapper: Callable | None = None,
     dataset_build_context: ContextManager[Any] | None = None,
     pin_memory: bool | None = None,
+    loader_class: type[ZephonLoader] | None = None,
 ) -> ZephonLoader:
     """Build a :class:`~zephon_loader.loader.ZephonLoader` for text (or pretokenized, or chat) sources.
 
@@ -161,6 +173,8 @@ def build_text_loader(
         collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
         dataset_build_context: Entered while the Zephon pipeline is built (AutoModel's rank ordering).
         pin_memory: ``None`` = pin when CUDA is available.
+        loader_class: A :class:`~zephon_loader.loader.ZephonLoader` subclass to build (default: that class);
+            e.g. a flavour that is also a ``StatefulDataLoader`` for a slot that checks for one.
 
     Raises:
         TypeError/ValueError: Bad configuration or contract, before anything starts.
@@ -168,7 +182,8 @@ def build_text_loader(
     cfg = read_loader_config(config)
     return build_loader(cfg, TextStage(cfg, tokenizer), packing_contract=packing_contract, dp_rank=dp_rank,
                         dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
-                        dataset_build_context=dataset_build_context, pin_memory=pin_memory)
+                        dataset_build_context=dataset_build_context, pin_memory=pin_memory,
+                        loader_class=loader_class)
 
 
 def build_image_loader(
@@ -185,6 +200,7 @@ def build_image_loader(
     pin_memory: bool | None = None,
     micro_batch_size: int | None = None,
     model_path: str | None = None,
+    loader_class: type[ImageLoader] | None = None,
 ) -> ImageLoader:
     """Build an :class:`ImageLoader` over JSONL (image paths) or Parquet (image bytes) image-text shards.
 
@@ -205,6 +221,7 @@ def build_image_loader(
             size); both given must agree.
         model_path: The recipe's model folder: the built-in processor's folder
             when the YAML names none (a hub id is refused).
+        loader_class: An :class:`ImageLoader` subclass to build (default: that class).
 
     Raises:
         TypeError/ValueError: Bad configuration, contract or processor, before anything starts.
@@ -214,7 +231,8 @@ def build_image_loader(
                        model_path=model_path)
     return build_loader(cfg, stage, packing_contract=packing_contract, dp_rank=dp_rank,  # type: ignore[return-value]
                         dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
-                        dataset_build_context=dataset_build_context, pin_memory=pin_memory)
+                        dataset_build_context=dataset_build_context, pin_memory=pin_memory,
+                        loader_class=loader_class)
 
 
 def resolve_contract(config: LoaderConfig, packing_contract: object | None) -> PackingContract:

@@ -25,7 +25,6 @@ import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from zephon_loader import fields as F
 from zephon_loader.attention import adapt_model_inputs, join_subdocuments
@@ -39,11 +38,17 @@ from zephon_loader.stats import LoaderStats
 __all__ = ["STATE_FORMAT", "EpochHook", "ZephonLoader"]
 
 
-class ZephonLoader(StatefulDataLoader):
+class ZephonLoader:
     """Iterate packed, finalized batches; save and restore the exact position.
 
     Built by :func:`~zephon_loader.build.build_text_loader` (or the AutoModel
-    config's ``build``). Drop-in for a ``StatefulDataLoader`` slot:
+    config's ``build``). A stateful iterable like torchdata's ``StatefulDataLoader``
+    (``__iter__``, ``state_dict()``, ``load_state_dict()``), but not a
+    ``torch.utils.data.DataLoader``: trainers that rebuild or re-shard a
+    ``DataLoader`` (Lightning, Accelerate) pass it through as it is, and Zephon's
+    lanes stay the data-parallel sharding. ``len()`` raises ``TypeError``: the
+    number of packed batches of a pass is not known before it is read (train
+    by steps, or by passes). ``batch_size`` is the micro-batch size ``B``.
 
     * ``for batch in loader``: dicts of CPU tensors (pinned when CUDA is
       available) with AutoModel's names (``docs/contract.md``, section 7).
@@ -103,12 +108,16 @@ class ZephonLoader(StatefulDataLoader):
             builder saved); it must not refer to the loader.
         stats: What was delivered and dropped, per source (:meth:`stats`);
             its counts travel in the state. ``None``: no accounting.
+        single_rank_by_default: The builder took one rank because no process
+            group existed yet; ``iter()`` refuses to run under several ranks.
 
-    It subclasses torchdata's ``StatefulDataLoader`` only so that AutoModel
-    0.7.0's recipe recognizes it as a dataloader and saves/loads its state per
-    DP rank (``is_dataloader`` is an ``isinstance`` check); none of the
-    ``DataLoader`` machinery is used (``len()`` raises ``TypeError``: the
-    packed stream's length is not known in advance).
+    AutoModel 0.7.0's recipes save per DP rank only what passes an
+    ``isinstance(..., StatefulDataLoader)`` check: the recipe slots
+    (:mod:`zephon_loader.integrations.recipe`) build a subclass that also is one.
+
+    Consumers that pull ahead of what they trained (Lightning's fetcher pulls
+    one batch ahead) report what they consumed with :meth:`set_consumed`; the
+    state then describes exactly that many batches of the pass.
     """
 
     def __init__(
@@ -123,6 +132,7 @@ class ZephonLoader(StatefulDataLoader):
         pin_memory: bool | None = None,
         on_close: Callable[[], None] | None = None,
         stats: LoaderStats | None = None,
+        single_rank_by_default: bool = False,
     ) -> None:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"read_ahead: got {read_ahead!r}, expected an int >= 0")
@@ -134,7 +144,7 @@ class ZephonLoader(StatefulDataLoader):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         final_map = FinalMap(settings, collate_wrapper, pin_memory=bool(pin_memory))
-        self._read_ahead = ReadAhead(source, read_ahead, final_map, collate=collate_fn)
+        self._read_ahead = ReadAhead(source, read_ahead, final_map, collate=collate_fn, retain=self.RETAINED_BATCHES)
         self._handoff = LaneHandoff(source.pipeline)
         # Lock order: _consume_lock -> _state_lock -> (ReadAhead's own locks).
         self._consume_lock = threading.RLock()  # one next() at a time; iter()/preview()/close() wait for it
@@ -144,16 +154,36 @@ class ZephonLoader(StatefulDataLoader):
         self._pending: LoaderState | None = None  # loaded state, applied at the next iter()
         self._exhausted = False  # the last pass ended: the next iter() starts the next epoch
         self._epoch_chosen = False  # set_epoch() was called since: it decides the next epoch
+        self._consumed: int | None = None  # set_consumed(): batches of this pass the consumer has taken
+        self._single_rank_by_default = single_rank_by_default
         # Everything the finalizer touches is passed in: it must not keep the loader alive.
         self._finalizer = weakref.finalize(self, _release, self._read_ahead, source, self._handoff, on_close)
 
+    #: Delivered batches kept (collated) so that a state can be taken as of that many batches back.
+    RETAINED_BATCHES = 1
+
     def __len__(self) -> int:
         raise TypeError("ZephonLoader has no len(): the number of packed batches is not known before iterating")
+
+    def __repr__(self) -> str:
+        fp = self.fingerprint
+        sources = [name for name, _ in fp.get("sources", [])]
+        state = "closed" if not self._finalizer.alive else f"epoch {self._source.epoch}"
+        return (f"{type(self).__name__}(sources={sources}, sequence_length={fp.get('sequence_length')}, "
+                f"micro_batch_size={fp.get('micro_batch_size')}, contract={fp.get('contract')}, "
+                f"dp_rank={self.dp_rank}/{self.dp_world_size}, read_ahead={self._read_ahead.depth}, {state})")
+
+    @property
+    def batch_size(self) -> int | None:
+        """The micro-batch size ``B``: rows of every yielded batch."""
+        value = self.fingerprint.get("micro_batch_size")
+        return value if isinstance(value, int) else None
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         with self._consume_lock, self._state_lock:
             self._check_open()
+            self._check_ranks()
             pending, self._pending = self._pending, None
             # Resume inside a pass, or start one: after an ended pass (this loader's, or the loaded state's)
             # the next epoch, unless set_epoch chose one.
@@ -179,6 +209,7 @@ class ZephonLoader(StatefulDataLoader):
                     ReadAhead.BUFFERED_KEY: [e for e in pending.buffered if e[ReadAhead.LANE_KEY] in owned],
                 })
             self._exhausted = self._epoch_chosen = False
+            self._consumed = None
             self._started = True
             return _Pass(self, self._generation)
 
@@ -206,6 +237,11 @@ class ZephonLoader(StatefulDataLoader):
         """Where AutoModel's ``StepScheduler.set_epoch`` looks (``dataloader.sampler.set_epoch``): it reaches
         :meth:`set_epoch`. There is no sampler otherwise (Zephon orders and deals the records)."""
         return EpochHook(self)
+
+    @property
+    def batch_sampler(self) -> None:
+        """``None``: Zephon forms the batches (trainers that look for a ``DataLoader``'s batch sampler find none)."""
+        return None
 
     @property
     def dp_rank(self) -> int:
@@ -295,27 +331,64 @@ class ZephonLoader(StatefulDataLoader):
             return batch
 
     # -- state --------------------------------------------------------------------------
+    def set_consumed(self, count: int) -> None:
+        """Say that the training loop has taken ``count`` batches of the current pass (a trainer hook).
+
+        A consumer that pulls batches ahead of the step (Lightning's fetcher
+        pulls one) calls this with the batches it trained, before a state is
+        taken: :meth:`state_dict` then describes the stream after exactly
+        ``count`` batches, and the ones pulled beyond it are delivered again on
+        resume. Without it the state counts every batch ``next()`` returned.
+        It holds until the next ``iter()``.
+
+        Raises:
+            ValueError: ``count`` is not between the batches delivered minus
+                :attr:`RETAINED_BATCHES` and the batches delivered.
+            RuntimeError: The loader has no accounting (``stats=None``) to count deliveries.
+        """
+        with self._state_lock:
+            self._check_open()
+            if self._stats is None:
+                raise RuntimeError("ZephonLoader.set_consumed: this loader was built without accounting (stats=None), "
+                                   "so it does not count its deliveries")
+            delivered = self._stats.batches
+            low = max(0, delivered - self.RETAINED_BATCHES)
+            if isinstance(count, bool) or not isinstance(count, int) or not low <= count <= delivered:
+                raise ValueError(
+                    f"set_consumed: got {count!r}, expected an int in [{low}, {delivered}]: this pass delivered "
+                    f"{delivered} batches and the loader keeps the last {self.RETAINED_BATCHES} to hand back; a "
+                    "consumer may be at most that many batches behind next()"
+                )
+            self._consumed = count
+
     def state_dict(self) -> dict[str, Any]:
-        """The exact position of the training loop: :meth:`LoaderState.to_dict <zephon_loader.state.LoaderState.to_dict>`."""
+        """The exact position of the training loop: :meth:`LoaderState.to_dict <zephon_loader.state.LoaderState.to_dict>`.
+
+        After :meth:`set_consumed`, the position after that many batches of the pass.
+        """
         with self._state_lock:
             self._check_open()
             if self._pending is not None:
                 return copy.deepcopy(self._pending.to_dict())
+            lag = 0
             if self._started:
-                node = self._read_ahead.get_state()
+                if self._consumed is not None and self._stats is not None:
+                    lag = self._stats.batches - self._consumed
+                node = self._read_ahead.get_state(lag)
                 source_state = node[ReadAhead.SOURCE_KEY]
                 local = node[ReadAhead.BUFFERED_KEY]
             else:  # start of the stream (no pass yet, or preview() restarted it)
                 source_state = self._source.state_dict()
                 local = []
             checkpoint = source_state[ZephonSource.STATE_KEY]
+            handed_back = [entry[ReadAhead.BATCH_KEY].get(F.SOURCE_COUNTS) or [] for entry in local[:lag]]
             return LoaderState(
                 fingerprint=copy.deepcopy(self.fingerprint),
                 epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
-                pass_ended=self._exhausted,
+                pass_ended=self._exhausted and lag == 0,
                 zephon_checkpoint=checkpoint,
                 buffered=self._handoff.gather(checkpoint, local),
-                stats=self._stats.state_dict() if self._stats is not None else None,
+                stats=self._stats.state_dict(handed_back) if self._stats is not None else None,
             ).to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -352,6 +425,21 @@ class ZephonLoader(StatefulDataLoader):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _check_ranks(self) -> None:
+        if not self._single_rank_by_default:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"ZephonLoader: built as the only data-parallel rank (no process group existed yet), but it is "
+                f"iterated in a process group of {dist.get_world_size()} ranks: every rank would read the same "
+                "data. Build the loader after the process group is initialized (Lightning: in "
+                "LightningModule.train_dataloader() or a LightningDataModule; torchrun: after "
+                "init_process_group), or pass dp_rank/dp_world_size (dp_rank=0, dp_world_size=1 to read "
+                "everything on every rank)"
+            )
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:

@@ -110,12 +110,28 @@ class LoaderStats:
             self._drops.setdefault(_event_key(event), event)
 
     # -- state --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-safe counts so far (delivered: exact at the delivered batch; drops: as read)."""
+    @property
+    def batches(self) -> int:
+        """Batches delivered in this pass."""
+        return self._batches
+
+    def state_dict(self, undelivered: Sequence[Sequence[Sequence[int]]] = ()) -> dict[str, Any]:
+        """JSON-safe counts so far (delivered: exact at the delivered batch; drops: as read).
+
+        Args:
+            undelivered: :func:`batch_source_counts` of delivered batches the state hands back (a state taken
+                as of some batches back): they are not counted as delivered.
+        """
         self._merge_log()
+        delivered = copy.deepcopy(self._delivered)
+        for counts in undelivered:
+            for cid, documents, tokens in counts:
+                entry = delivered[self._name(cid)]
+                entry[0] -= int(documents)
+                entry[1] -= int(tokens)
         return {
-            "batches": self._batches,
-            "delivered": copy.deepcopy(self._delivered),
+            "batches": self._batches - len(undelivered),
+            "delivered": delivered,
             "drops": [copy.deepcopy(event) for event in self._drops.values()],
         }
 

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
+from torchdata.stateful_dataloader import StatefulDataLoader
+
 from zephon_loader.build import ImageLoader, build_image_loader, build_text_loader
 from zephon_loader.config import (
     DistributedConfig,
@@ -69,10 +71,21 @@ from zephon_loader.config import (
     ProcessorTarget,
     TextLoaderConfig,
 )
-from zephon_loader.loader import ZephonLoader
 from zephon_loader.contract import contract_for_attention, validate_packing_contract
+from zephon_loader.loader import ZephonLoader
 
-__all__ = ["ImageLoaderBuild", "ZephonDataloaderConfig", "ZephonVLMDataloaderConfig"]
+__all__ = ["ImageLoaderBuild", "RecipeImageLoader", "RecipeLoader", "ZephonDataloaderConfig", "ZephonVLMDataloaderConfig"]
+
+
+class RecipeLoader(ZephonLoader, StatefulDataLoader):
+    """The :class:`~zephon_loader.loader.ZephonLoader` an AutoModel recipe holds: also a torchdata
+    ``StatefulDataLoader``, because AutoModel 0.7.0 saves a dataloader's state per DP rank only when
+    ``is_dataloader`` (an ``isinstance`` check) accepts it. None of the ``DataLoader`` machinery runs: every
+    method is the ``ZephonLoader``'s."""
+
+
+class RecipeImageLoader(ImageLoader, StatefulDataLoader):
+    """:class:`RecipeLoader` for image-text batches (AutoModel's VLM recipe)."""
 
 
 @dataclass(frozen=True, init=False)
@@ -212,6 +225,7 @@ class ZephonDataloaderConfig(TextLoaderConfig):
             dp_world_size=coordinates[1],
             collate_wrapper=collate_wrapper,
             dataset_build_context=dataset_build_context,
+            loader_class=RecipeLoader,
         )
 
 
@@ -314,6 +328,7 @@ class ZephonVLMDataloaderConfig(ImageLoaderConfig):
             dataset_build_context=dataset_build_context,
             micro_batch_size=batch_size,
             model_path=pretrained_model_name_or_path,
+            loader_class=RecipeImageLoader,
         )
         return ImageLoaderBuild(dataloader=loader, processor=loader.processor)
 

@@ -139,6 +139,10 @@ class ReadAhead(BaseNode):
             ``None`` keeps the ``SampleBatch`` (then the state cannot encode it).
         transform: Pure function of a collated batch (the final map, pinning),
             given a shallow copy of it; re-applied to restored batches.
+        retain: Delivered batches kept (collated), newest last, so that a
+            state can be taken as of up to ``retain`` batches back
+            (``get_state(lag=...)``): for consumers that pull ahead of what
+            they trained (Lightning's fetcher pulls one batch ahead).
 
     State (:meth:`get_state` / :meth:`reset`): ``{"source": <source state>,
     "buffered": [{"lane": int, "batch": <encode_batch>}, ...]}`` in delivery
@@ -167,15 +171,20 @@ class ReadAhead(BaseNode):
         transform: Callable[[Any], Any] | None = None,
         *,
         collate: Callable[[Any], Any] | None = None,
+        retain: int = 0,
     ) -> None:
         super().__init__()
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"read_ahead depth: got {depth!r}, expected an int >= 0 (0 = inline)")
+        if isinstance(retain, bool) or not isinstance(retain, int) or retain < 0:
+            raise ValueError(f"retain: got {retain!r}, expected an int >= 0")
         self.source = source
         self.depth = depth
         self.collate = collate
         self.transform = transform
         self._buffer: deque[Any] = deque()
+        self.retain = retain
+        self._recent: deque[_Pending] = deque(maxlen=retain)  # delivered, newest last
         self._space = threading.Condition()
         self._source_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -205,6 +214,7 @@ class ReadAhead(BaseNode):
             self.source.reset(source_state)
             with self._space:
                 self._buffer = deque(restored)
+                self._recent.clear()
                 self._stop = False
         if self.depth:
             self._thread = threading.Thread(target=self._fill, name="zephon-loader-read-ahead", daemon=True)
@@ -309,10 +319,12 @@ class ReadAhead(BaseNode):
         return item.ready
 
     def _take(self) -> Any:
+        """The next item; a batch leaves the buffer and joins the retained ones in one step (under ``_space``),
+        so :meth:`get_state` sees it in exactly one of them."""
         with self._space:
             if not self.depth:
                 if self._buffer:  # restored batches come before the source's next one
-                    return self._buffer.popleft()
+                    return self._delivered(self._buffer.popleft())
             else:
                 while not self._buffer:
                     if self._thread is None or not self._thread.is_alive():
@@ -323,16 +335,29 @@ class ReadAhead(BaseNode):
                     return item  # stays buffered: the node is exhausted until reset
                 self._buffer.popleft()
                 self._space.notify_all()
-                return item
+                return self._delivered(item)
         with self._source_lock:  # depth 0: the consumer pulls
-            return self._pull()
+            item = self._pull()
+            with self._space:
+                return self._delivered(item)
 
-    def get_state(self) -> dict[str, Any]:
+    def _delivered(self, item: Any) -> Any:
+        if self.retain and isinstance(item, _Pending):
+            self._recent.append(item)
+        return item
+
+    def get_state(self, lag: int = 0) -> dict[str, Any]:
+        """The state; with ``lag``, as of ``lag`` delivered batches back (they lead ``buffered``, to be delivered
+        again), ``0 <= lag <= retain``."""
+        if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= len(self._recent):
+            raise ValueError(f"lag: got {lag!r}, expected an int in [0, {len(self._recent)}] (the delivered batches "
+                             f"this node keeps: retain={self.retain})")
         # Holding the source lock parks the producer between pulls, so the source's
         # state and the buffer describe the same instant.
         with self._source_lock:
             with self._space:
-                pending = [(item.lane, item.raw) for item in self._buffer if isinstance(item, _Pending)]
+                rewound = list(self._recent)[len(self._recent) - lag:] if lag else []
+                pending = [(item.lane, item.raw) for item in rewound + list(self._buffer) if isinstance(item, _Pending)]
             source_state = self.source.state_dict()
         return {
             self.SOURCE_KEY: source_state,
