@@ -135,7 +135,7 @@ def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
     return same.unsqueeze(1)
 
 
-def flash_varlen_kwargs(ids: torch.Tensor) -> dict[str, Any]:
+def flash_varlen_kwargs(ids: torch.Tensor, *, documents_bound_length: bool = False) -> dict[str, Any]:
     """HF flash varlen kwargs over the flattened ``[B * S]`` axis.
 
     A segment starts at every row start and wherever the id changes within a
@@ -143,7 +143,12 @@ def flash_varlen_kwargs(ids: torch.Tensor) -> dict[str, Any]:
     ``packed_seq_params_from_doc_ids``).
 
     Args:
-        ids: int64 ``[B, S]`` attention document ids.
+        ids: int64 ``[B, S]`` attention document ids (0 at padding).
+        documents_bound_length: ``max_length`` is the longest *document*, as
+            transformers' ``DataCollatorWithFlattening`` computes it over real
+            tokens: padding runs are cut into segments no longer than that
+            (a padding token attends only padding, so the cuts change no
+            document's output, and no segment exceeds what the kernel sizes for).
 
     Returns:
         ``cu_seq_lens_q``/``cu_seq_lens_k``: the same int32 ``[segments + 1]``
@@ -152,11 +157,29 @@ def flash_varlen_kwargs(ids: torch.Tensor) -> dict[str, Any]:
     batch_size, sequence_length = ids.shape
     starts = torch.ones(batch_size, sequence_length, dtype=torch.bool, device=ids.device)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    if documents_bound_length:
+        real = ids != 0
+        if bool(real.any()):
+            row_starts = starts & real
+            longest_document = int(_segment_lengths(row_starts, real).max())
+            # Column inside each padding run (runs are trailing; one per row at most, or a whole row).
+            padding = ~real
+            run_start = torch.where(padding, torch.arange(sequence_length, device=ids.device), sequence_length)
+            first = run_start.min(dim=1, keepdim=True).values
+            inside = torch.arange(sequence_length, device=ids.device).unsqueeze(0) - first
+            starts |= padding & (inside % longest_document == 0)
     offsets = torch.nonzero(starts.flatten()).flatten()
     total = torch.tensor([batch_size * sequence_length], dtype=offsets.dtype, device=ids.device)
     cu = torch.cat([offsets, total]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {F.CU_SEQ_LENS_Q: cu, F.CU_SEQ_LENS_K: cu, F.MAX_LENGTH_Q: longest, F.MAX_LENGTH_K: longest}
+
+
+def _segment_lengths(starts: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+    """Lengths of the segments that begin at ``starts`` (bool ``[B, S]``) and run over ``member`` tokens."""
+    segment = torch.cumsum(starts.flatten().long(), 0) - 1  # index of the segment each token belongs to
+    keep = member.flatten()
+    return torch.bincount(segment[keep], minlength=int(starts.sum()))
 
 
 def thd_fields(ids: torch.Tensor) -> dict[str, Any]:
@@ -226,7 +249,8 @@ def hf_position_fields(
         ``labels`` again unless ``shift_labels`` is given); ``use_cache``:
         ``False`` (with a cache transformers ignores ``position_ids`` for
         masking); ``cu_seq_lens_q/k``, ``max_length_q/k`` as
-        :func:`flash_varlen_kwargs` of ``ids``.
+        :func:`flash_varlen_kwargs` of ``ids`` with the documents bounding the length (what
+        transformers' ``DataCollatorWithFlattening`` gives for the same documents).
 
     Raises:
         ValueError: Multi-axis positions, or positions whose segmentation
@@ -253,7 +277,7 @@ def hf_position_fields(
                 f"{what} here; expected positions restarting at 0 at each document start and increasing by 1 "
                 "inside it (Zephon's pack_flat(emit_positions=True) output)"
             )
-    return {F.SHIFT_LABELS: labels, F.USE_CACHE: False, **flash_varlen_kwargs(ids)}
+    return {F.SHIFT_LABELS: labels, F.USE_CACHE: False, **flash_varlen_kwargs(ids, documents_bound_length=True)}
 
 
 def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict[str, Any]:
