@@ -47,8 +47,14 @@ class ImageLoader(ZephonLoader):
 
     @property
     def yielded_fields(self) -> tuple[str, ...]:
-        """Names every yielded batch carries; ``pixel_values``/``image_grid_thw`` come only with an image."""
-        return self.settings.yielded_fields + F.IMAGE_ALWAYS
+        """Names every yielded batch carries; ``pixel_values``/``image_grid_thw`` come only with an image.
+
+        Under the ``hf`` contract no flash kwargs: a Hugging Face VLM hands its kwargs to its vision tower too.
+        """
+        names = self.settings.yielded_fields
+        if self.settings.packed_mask_type == "position_ids":
+            names = tuple(name for name in names if name not in F.FLASH_KWARGS)
+        return names + F.IMAGE_ALWAYS
 
 
 def build_loader(

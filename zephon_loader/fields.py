@@ -79,12 +79,14 @@ USE_CACHE: Final = "use_cache"
 #: Fields every yielded batch carries, whatever the contract.
 ALWAYS: Final[tuple[str, ...]] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
 
+#: Hugging Face's flash varlen kwargs (``flash_varlen``; text batches of the ``hf`` contract).
+FLASH_KWARGS: Final = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
 #: Fields added per packed mask type (docs/contract.md §7).
 BY_MASK_TYPE: Final[dict[str, tuple[str, ...]]] = {
     "document_ids": (ATTENTION_MASK,),
     "block_causal": (ATTENTION_MASK,),
-    "flash_varlen": (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K),
-    "position_ids": (SHIFT_LABELS, USE_CACHE, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K),
+    "flash_varlen": FLASH_KWARGS,
+    "position_ids": (SHIFT_LABELS, USE_CACHE, *FLASH_KWARGS),
 }
 
 #: Fields added when the contract requires (or the user requests) packed metadata.

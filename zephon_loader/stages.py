@@ -7,7 +7,7 @@ of loader (contract → settings → DP → pipeline → nodes → loader); a
 ==========================  ==============================================  =============================================
 step                        :class:`TextStage`                              :class:`ImageStage`
 ==========================  ==============================================  =============================================
-``check_contract``          every mask type                                 not ``position_ids`` (mRoPE positions)
+``check_contract``          every mask type                                 every mask type; no model rope in workers
 ``attention_eligibility``   ``eligibility_field`` is set                    the processor emits eligibility
 ``prepare``                 save the recipe's tokenizer (when the YAML      load the processor (YAML, object or the
                             names none)                                     model folder), bind ``get_rope_index``
@@ -39,11 +39,7 @@ from zephon_loader.pipeline.image_records import IMAGE_REASONS
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
 from zephon_loader.pipeline.text import DataParallel, build_pipeline
 
-__all__ = ["IMAGE_MASK_TYPES", "ImageStage", "Stage", "TextStage", "resolve_processor"]
-
-#: Packed mask types an image loader can serve: each needs document ids only, not 1-D positions.
-IMAGE_MASK_TYPES = ("block_causal", "document_ids", "flash_varlen")
-
+__all__ = ["ImageStage", "Stage", "TextStage", "resolve_processor"]
 
 class Stage(Protocol):
     """What :func:`~zephon_loader.build.build_loader` asks of a kind of loader (see the module docstring)."""
@@ -181,13 +177,8 @@ class ImageStage:
         return bool(self.processor.attention_eligibility) if self.processor is not None else False
 
     def check_contract(self, contract: PackingContract) -> None:
-        if contract.packed_mask_type not in IMAGE_MASK_TYPES:
-            raise ValueError(
-                f"packing_contract.packed_mask_type: got {contract.packed_mask_type!r}, expected one of "
-                f"{list(IMAGE_MASK_TYPES)} for image-text batches: their position_ids are [3, B, S] mRoPE "
-                "positions, which do not restart once per record on one axis; use 'document_ids' (with metadata "
-                "for FA4) or 'block_causal'"
-            )
+        """Every mask type serves image-text batches (``position_ids``: text positions before the mRoPE axes);
+        a model ``get_rope_index`` cannot travel to worker processes."""
         if self._get_rope_index is not None and self.cfg.runtime.runner == "process":
             raise ValueError(
                 "dataloader.runtime.runner: got 'process' with a model get_rope_index, expected 'threads' (or "

@@ -237,7 +237,10 @@ def hf_position_fields(
     Args:
         ids: int64 ``[B, S]`` attention document ids (0 at padding; no
             eligibility holes: refused for this contract at construction).
-        positions: int64 ``[B, S]`` (multi-axis ``[A, B, S]`` is refused).
+        positions: int64 ``[B, S]``, or ``[3, B, S]`` mRoPE positions (image-text records): then
+            ``position_ids`` is yielded as ``[4, B, S]``, row 0 the text positions
+            :func:`sequence_positions` (restarting at 0 at each document), as Qwen2-VL-style models
+            take packed input; other multi-axis shapes are refused.
         check: Compare transformers' segmentation with ``ids`` (a caller's
             batch). ``collate`` derives the ids from Zephon's positions, so the
             loader's hot path skips it.
@@ -256,11 +259,18 @@ def hf_position_fields(
         ValueError: Multi-axis positions, or positions whose segmentation
             differs from the documents (the row, column and values are named).
     """
+    if positions.ndim == 3 and positions.shape[0] == 3:
+        # Qwen2-VL-style models take [4, B, S]: text positions (from which transformers derives the packed
+        # mask) before the three mRoPE axes. No flash kwargs: the model hands its kwargs to the vision tower
+        # too, whose flash path sets cu_seq_lens itself.
+        return {F.POSITION_IDS: torch.cat([sequence_positions(ids).unsqueeze(0), positions]),
+                F.SHIFT_LABELS: labels, F.USE_CACHE: False}
     if positions.ndim != 2:
         raise ValueError(
             f"{F.POSITION_IDS}: got shape {tuple(positions.shape)} with packed_mask_type 'position_ids' "
-            "(attn_implementation 'hf'); transformers derives packed sequences from [batch, sequence] positions "
-            "only; use an AutoModel contract ('document_ids' or 'block_causal') for multi-axis (mRoPE) positions"
+            "(attn_implementation 'hf'); expected [batch, sequence] positions, or [3, batch, sequence] mRoPE "
+            "positions (yielded as [4, batch, sequence], text positions first); use an AutoModel contract "
+            "('document_ids' or 'block_causal') for other multi-axis positions"
         )
     if check and ids.shape[1] > 1:
         transformers_starts = positions.diff(dim=1) != 1
@@ -278,6 +288,19 @@ def hf_position_fields(
                 "inside it (Zephon's pack_flat(emit_positions=True) output)"
             )
     return {F.SHIFT_LABELS: labels, F.USE_CACHE: False, **flash_varlen_kwargs(ids, documents_bound_length=True)}
+
+
+def sequence_positions(ids: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B, S]``: each token's index inside its run of equal ``ids`` (a document, or the padding tail).
+
+    >>> sequence_positions(torch.tensor([[1, 1, 2, 2, 2, 0, 0]])).tolist()
+    [[0, 1, 0, 1, 2, 0, 1]]
+    """
+    columns = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = torch.cummax(torch.where(starts, columns, torch.zeros_like(columns)), dim=1).values
+    return columns - first
 
 
 def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict[str, Any]:
