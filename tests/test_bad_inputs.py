@@ -135,7 +135,7 @@ BAD_HF_POSITIONS = [
     # good(): row 0 ids [1, 1, 2, 2, 0], row 1 one document of 5 tokens.
     ("documents joined", torch.tensor([[0, 1, 2, 3, 0], [0, 1, 2, 3, 4]]), r"position_ids: row 0, column 2: positions 1 -> 2 with attention document ids 1 -> 2; .* joins documents"),
     ("document split", torch.tensor([[0, 1, 0, 1, 0], [0, 1, 2, 4, 5]]), r"position_ids: row 1, column 3: positions 2 -> 4 with attention document ids 1 -> 1; .* splits document"),
-    ("multi-axis", torch.tensor([[0, 1, 0, 1, 0], [0, 1, 2, 3, 4]]).expand(3, 2, 5), r"position_ids: got shape \(3, 2, 5\) with packed_mask_type 'position_ids'"),
+    ("two axes", torch.tensor([[0, 1, 0, 1, 0], [0, 1, 2, 3, 4]]).expand(2, 2, 5), r"position_ids: got shape \(2, 2, 5\) with packed_mask_type 'position_ids'"),
 ]
 
 
@@ -144,6 +144,16 @@ def test_hf_contract_refuses_positions_that_do_not_delimit_documents(case, posit
     """transformers segments a row where positions do not step by 1; that must be exactly the documents."""
     with pytest.raises(ValueError, match=message):
         finalize_batch(with_(position_ids=positions), HF_SETTINGS)
+
+
+def test_hf_contract_puts_text_positions_before_mrope_positions():
+    """[3, B, S] mRoPE positions (image-text) are yielded as [4, B, S]: row 0 restarts at each document."""
+    mrope = torch.tensor([[0, 1, 0, 1, 0], [0, 1, 2, 3, 4]]).expand(3, 2, 5) * 10
+    out = finalize_batch(with_(position_ids=mrope), HF_SETTINGS)
+    assert out[F.POSITION_IDS].shape == (4, 2, 5)
+    assert out[F.POSITION_IDS][0].tolist() == [[0, 1, 0, 1, 0], [0, 1, 2, 3, 4]]
+    assert torch.equal(out[F.POSITION_IDS][1:], mrope)
+    assert F.CU_SEQ_LENS_Q not in out and out[F.SHIFT_LABELS] is not None
 
 
 def test_hf_contract_ignores_padding_positions():
