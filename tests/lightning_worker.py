@@ -85,26 +85,30 @@ def trainer(out: Path, *, max_epochs: int, max_steps: int = -1, every: int | Non
 
 
 def main(argv: list[str]) -> int:
-    """``OUT MODE STEPS [STOP_STEP]``: MODE ``full`` (uninterrupted), ``stop`` (checkpoint and stop at
+    """``OUT MODE STEPS [STOP_STEP|-] [passed]``: MODE ``full`` (uninterrupted), ``stop`` (checkpoint and stop at
     STOP_STEP) or ``resume`` (from OUT/ckpt/step=STOP_STEP.ckpt, on to STEPS); DDP over the torchrun processes.
+    ``passed``: the loader is built before ``fit`` and passed to it (else in ``train_dataloader()``).
 
     The loader is endless (``passes: null``): data-parallel lanes hold different numbers of batches per pass,
     so several ranks train by steps.
     """
     out, mode, steps = Path(argv[0]), argv[1], int(argv[2])
-    stop = int(argv[3]) if len(argv) > 3 else None
-    module = TinyLM(build_loader=demo_config(passes=None))
+    stop = int(argv[3]) if len(argv) > 3 and argv[3] != "-" else None
+    passed_in = len(argv) > 4 and argv[4] == "passed"  # built here, before fit starts the process group
+    config = demo_config(passes=None)
+    module = TinyLM(build_loader=None if passed_in else config)
+    loaders = {"train_dataloaders": build_text_loader(config)} if passed_in else {}
     kwargs: dict[str, Any] = {"strategy": "ddp", "devices": int(os.environ.get("WORLD_SIZE", "1"))}
     ckpt_dir = out / "ckpt"
     if mode == "stop":
         fit = trainer(ckpt_dir, max_epochs=1, max_steps=stop, every=stop, **kwargs)
-        fit.fit(module)
+        fit.fit(module, **loaders)
     elif mode == "resume":
         fit = trainer(ckpt_dir / "resumed", max_epochs=1, max_steps=steps, **kwargs)
-        fit.fit(module, ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"))
+        fit.fit(module, ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"), **loaders)
     else:
         fit = trainer(out / "full", max_epochs=1, max_steps=steps, **kwargs)
-        fit.fit(module)
+        fit.fit(module, **loaders)
     (out / f"{mode}_rank{fit.global_rank}.json").write_text(json.dumps(module.trained))
     return 0
 

@@ -128,3 +128,18 @@ def test_a_loader_built_before_the_process_group_refuses_to_run_under_several_ra
         with pytest.raises(RuntimeError, match=r"built as the only data-parallel rank .* process group of 2 ranks"):
             iter(loader)
         assert next(iter(explicit))["input_ids"].shape == (2, 32)  # coordinates passed: one rank on purpose
+
+
+def test_before_the_process_group_the_launchers_rank_and_size_are_the_coordinates(jsonl_sources, tokenizer_dir,
+                                                                                   monkeypatch):
+    """torchrun sets RANK/WORLD_SIZE for each process; a trainer (Lightning) initializes the group inside fit."""
+    cfg = text_loader_config(**_config(jsonl_sources, tokenizer_dir))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dp = data_parallel(cfg, None, None)
+    assert (dp.rank, dp.size, dp.aggregate_store) == (1, 2, "torch://") and dp.run_id.startswith("zephon_loader-")
+    assert data_parallel(cfg, 0, 1) == DataParallel(0, 1)  # passed coordinates win
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert data_parallel(cfg, None, None) == DataParallel(0, 1)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert data_parallel(cfg, None, None) == DataParallel(0, 1)

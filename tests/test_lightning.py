@@ -108,9 +108,11 @@ def test_set_consumed_refuses_a_count_it_cannot_hand_back():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun on loopback")
-def test_ddp_two_processes_resume_exactly_per_rank(tmp_path):
-    """Lightning DDP (CPU, gloo) under torchrun; the loader is built in ``train_dataloader()`` on each rank,
-    endless (``passes: null``: lanes hold different numbers of batches per pass), trained by steps."""
+@pytest.mark.parametrize("built", ["in train_dataloader()", "passed in"])
+def test_ddp_two_processes_resume_exactly_per_rank(tmp_path, built):
+    """Lightning DDP (CPU, gloo) under torchrun; the loader is built in ``train_dataloader()`` on each rank, or
+    before ``fit`` (its lanes from torchrun's RANK/WORLD_SIZE) and passed in; endless (``passes: null``: lanes
+    hold different numbers of batches per pass), trained by steps."""
     worker = Path(__file__).with_name("lightning_worker.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")])}
 
@@ -120,9 +122,10 @@ def test_ddp_two_processes_resume_exactly_per_rank(tmp_path):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    torchrun("full", "20")
-    torchrun("stop", "20", "9")
-    torchrun("resume", "20", "9")
+    where = "passed" if built == "passed in" else "module"
+    torchrun("full", "20", "-", where)
+    torchrun("stop", "20", "9", where)
+    torchrun("resume", "20", "9", where)
     records = {(mode, rank): json.loads((tmp_path / f"{mode}_rank{rank}.json").read_text())
                for mode in ("full", "stop", "resume") for rank in (0, 1)}
     for rank in (0, 1):

@@ -101,8 +101,9 @@ def build_loader(
     dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
     import torch.distributed as dist
 
-    # Coordinates defaulted to one rank only because no process group existed yet: checked again at iter().
-    single_rank_by_default = (dp_rank is None and dp_group is None
+    # Coordinates defaulted to one rank only because no process group (nor launcher) said otherwise yet:
+    # checked again at iter().
+    single_rank_by_default = (dp_rank is None and dp_group is None and dp.size == 1
                               and not (dist.is_available() and dist.is_initialized()))
 
     owned: list[str] = []
@@ -309,7 +310,8 @@ def data_parallel(
     cfg: LoaderConfig, dp_rank: int | None, dp_world_size: int | None, dp_group: Any = None
 ) -> DataParallel:
     """This rank's DP coordinates: the ones passed, else ``dp_group``'s, else torch.distributed's default
-    group's, else one rank.
+    group's, else the launcher's (:func:`launcher_coordinates`: torchrun's ``RANK``/``WORLD_SIZE``, for a
+    loader built before the trainer initializes the group), else one rank.
 
     ``dp_group`` is the data-parallel ``ProcessGroup``, or a 1-D ``DeviceMesh``
     (e.g. ``mesh["dp"]``): its rank and size are the coordinates.
@@ -336,13 +338,18 @@ def data_parallel(
 
     configured = cfg.distributed
     initialized = dist.is_available() and dist.is_initialized()
+    launched = None if initialized else launcher_coordinates()
     if dp_group is not None:
         dp_rank, dp_world_size = _group_coordinates(dp_group)
     elif dp_rank is None:
-        dp_rank, dp_world_size = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
-    # With a process group (also when the recipe passes DP coordinates under TP/CP), Zephon can meet
-    # at its rendezvous store; without one, the YAML must name a shared folder or store.
-    store = ("torch://" if initialized and dp_world_size > 1  # type: ignore[operator]
+        if initialized:
+            dp_rank, dp_world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            dp_rank, dp_world_size = launched or (0, 1)
+    # With a process group (also when the recipe passes DP coordinates under TP/CP, or when a launcher
+    # started the ranks and the group comes later, before the first state), Zephon can meet at its
+    # rendezvous store; without one, the YAML must name a shared folder or store.
+    store = ("torch://" if (initialized or launched) and dp_world_size > 1  # type: ignore[operator]
              and configured.aggregate_dir is None and configured.aggregate_store is None else None)
     # Zephon's default run id is derived from the pipeline, which names per-process folders (the
     # saved tokenizer): ranks would not meet at the first checkpoint. Derive one from the config.
@@ -355,6 +362,18 @@ def data_parallel(
             f"size {dp.size}. Pick one divisible by every DP size you will run or resume with (e.g. 8 for 1, 2, 4, 8)."
         )
     return dp
+
+
+def launcher_coordinates() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` from the environment a launcher such as ``torchrun`` sets for each process, or
+    ``None`` (unset, one process, or not integers in range)."""
+    import os
+
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 and 0 <= rank < world else None
 
 
 def _group_coordinates(group: Any) -> tuple[int, int]:

@@ -18,10 +18,12 @@ describes exactly those::
     trainer = lightning.Trainer(..., callbacks=[ZephonLoaderCallback()])
     trainer.fit(module, train_dataloaders=loader)                  # or ckpt_path=... to resume
 
-Under DDP build the loader where the process group exists (in
+Under DDP launched by ``torchrun`` the loader may be built before ``fit``
+(the builder takes torchrun's ``RANK``/``WORLD_SIZE``); with Lightning's own
+launcher build it where the process group exists (in
 ``LightningModule.train_dataloader()`` or a ``LightningDataModule``), or pass
-``dp_rank``/``dp_world_size``: a loader built before Lightning starts the
-processes reads one lane for all ranks.
+``dp_rank``/``dp_world_size``: a loader built before refuses to run under
+several ranks.
 """
 
 from __future__ import annotations
