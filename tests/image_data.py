@@ -205,6 +205,39 @@ def tiny_qwen2_vl(processor: Any, *, seed: int = 0, attn_implementation: str = "
     return Qwen2VLForConditionalGeneration(config).eval()
 
 
+def tiny_qwen2_5_vl(processor, *, attn_implementation: str):
+    """A randomly initialized 2-layer Qwen2.5-VL whose token ids match ``processor``'s tokenizer (eval, fp32)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    reference = tiny_qwen2_vl(processor).config
+    config = Qwen2_5_VLConfig(
+        text_config=reference.text_config.to_dict(),
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                           patch_size=processor.image_processor.patch_size,
+                           spatial_merge_size=processor.spatial_merge_size,
+                           temporal_patch_size=processor.image_processor.temporal_patch_size, in_channels=3,
+                           window_size=112, fullatt_block_indexes=[1]),
+        image_token_id=reference.image_token_id, video_token_id=reference.video_token_id,
+        vision_start_token_id=reference.vision_start_token_id, vision_end_token_id=reference.vision_end_token_id,
+    )
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def alone(model, processed):
+    """Logits of one processed record run by itself (positions [3, 1, n], its own pixels, no mask)."""
+    has_images = len(processed.image_grid_thw) > 0
+    with torch.no_grad():
+        return model(
+            input_ids=torch.from_numpy(processed.input_ids)[None],
+            position_ids=torch.from_numpy(processed.position_ids)[:, None],
+            pixel_values=torch.from_numpy(processed.pixel_values) if has_images else None,
+            image_grid_thw=torch.from_numpy(processed.image_grid_thw) if has_images else None,
+            mm_token_type_ids=torch.from_numpy(processed.mm_token_type_ids)[None], use_cache=False,
+        ).logits[0]
+
+
 def record_key(tokens: Any, pixels: Any) -> tuple:
     """Identity of a record: its tokens and a digest of its pixels (image-only records share their tokens)."""
     import hashlib

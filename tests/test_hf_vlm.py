@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import collect  # noqa: E402
-from image_data import LAYOUTS, MARKER, PROCESSOR_DIR, image_config, make_record, tiny_qwen2_vl, unpack  # noqa: E402
+from image_data import LAYOUTS, MARKER, PROCESSOR_DIR, alone, image_config, make_record, tiny_qwen2_5_vl  # noqa: E402
+from image_data import tiny_qwen2_vl, unpack  # noqa: E402
 from image_data import write_jsonl_images  # noqa: E402
 from zephon_loader import build_image_loader  # noqa: E402
 from zephon_loader import fields as F  # noqa: E402
@@ -35,42 +36,9 @@ def source(tmp_path_factory, records):
     return write_jsonl_images(tmp_path_factory.mktemp("hf_vlm_source"), records)
 
 
-def tiny_qwen2_5_vl(processor, *, attn_implementation: str):
-    """A randomly initialized 2-layer Qwen2.5-VL whose token ids match ``processor``'s tokenizer (eval, fp32)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    reference = tiny_qwen2_vl(processor).config
-    config = Qwen2_5_VLConfig(
-        text_config=reference.text_config.to_dict(),
-        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
-                           patch_size=processor.image_processor.patch_size,
-                           spatial_merge_size=processor.spatial_merge_size,
-                           temporal_patch_size=processor.image_processor.temporal_patch_size, in_channels=3,
-                           window_size=112, fullatt_block_indexes=[1]),
-        image_token_id=reference.image_token_id, video_token_id=reference.video_token_id,
-        vision_start_token_id=reference.vision_start_token_id, vision_end_token_id=reference.vision_end_token_id,
-    )
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
 def model_for(family, processor, attn):
     return tiny_qwen2_vl(processor, attn_implementation=attn) if family == "qwen2_vl" else \
         tiny_qwen2_5_vl(processor, attn_implementation=attn)
-
-
-def alone(model, processed):
-    """Logits of one processed record by itself (plain 3-axis positions, its own pixels, no mask)."""
-    has_images = len(processed.image_grid_thw) > 0
-    with torch.no_grad():
-        return model(
-            input_ids=torch.from_numpy(processed.input_ids)[None],
-            position_ids=torch.from_numpy(processed.position_ids)[:, None],
-            pixel_values=torch.from_numpy(processed.pixel_values) if has_images else None,
-            image_grid_thw=torch.from_numpy(processed.image_grid_thw) if has_images else None,
-            mm_token_type_ids=torch.from_numpy(processed.mm_token_type_ids)[None], use_cache=False,
-        ).logits[0]
 
 
 def records_of(batch):

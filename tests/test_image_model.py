@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import collect
-from image_data import LAYOUTS, MARKER, PROCESSOR_DIR, image_config, make_record, tiny_qwen2_vl, unpack
+from image_data import LAYOUTS, MARKER, PROCESSOR_DIR, alone, image_config, make_record, tiny_qwen2_vl, unpack
 from image_data import write_jsonl_images
 from zephon_loader import build_image_loader
 from zephon_loader import fields as F
@@ -53,19 +53,6 @@ def forward(model, batch, mask):
             pixel_values=batch.get(F.PIXEL_VALUES), image_grid_thw=batch.get(F.IMAGE_GRID_THW),
             mm_token_type_ids=batch[F.MM_TOKEN_TYPE_IDS], use_cache=False,
         ).logits
-
-
-def alone(model, processed):
-    """Logits of one processed record run by itself (positions [3, 1, n], its own pixels)."""
-    has_images = len(processed.image_grid_thw) > 0
-    with torch.no_grad():
-        return model(
-            input_ids=torch.from_numpy(processed.input_ids)[None],
-            position_ids=torch.from_numpy(processed.position_ids)[:, None],
-            pixel_values=torch.from_numpy(processed.pixel_values) if has_images else None,
-            image_grid_thw=torch.from_numpy(processed.image_grid_thw) if has_images else None,
-            mm_token_type_ids=torch.from_numpy(processed.mm_token_type_ids)[None], use_cache=False,
-        ).logits[0]
 
 
 @pytest.mark.parametrize("alignment", [None, 4])
