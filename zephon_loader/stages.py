@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol
 from zephon_loader.collate.image import collate_images
 from zephon_loader.collate.text import collate
 from zephon_loader.config import ImageLoaderConfig, ProcessorConfig, ProcessorTarget, TextLoaderConfig, instantiate
+from zephon_loader.config.reader import refuse_standard_library_target
 from zephon_loader.contract import PackingContract
 from zephon_loader.fingerprint import tokenizer_fingerprint
 from zephon_loader.pipeline.image import build_image_pipeline
@@ -293,6 +294,7 @@ def _processor_from_config(cfg: ImageLoaderConfig, model_path: str | None) -> An
 
     node = cfg.processor
     if isinstance(node, ProcessorTarget):
+        refuse_standard_library_target(node.node(), "dataloader.processor")
         return instantiate(node.node())
     node = node if isinstance(node, ProcessorConfig) else ProcessorConfig()
     if node.path is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -148,6 +149,38 @@ def resolve_target(dotted_path: str) -> Any:
             obj = getattr(obj, attribute)
         return obj
     raise ImportError(f"_target_: cannot import any module prefix of {dotted_path!r}")
+
+
+def refuse_standard_library_target(node: Any, where: str) -> None:
+    """Refuse, before anything is imported, a ``_target_`` (in ``node`` or nested in it) that names a
+    standard-library or builtin callable.
+
+    A YAML ``_target_`` is imported and called, so a configuration is as trusted
+    as a script; a processor factory is the user's code or a package's, and
+    ``os.system``, ``subprocess.run`` or ``builtins.eval`` have no business
+    there.
+
+    Raises:
+        ValueError: Naming the key, the target and what was expected.
+    """
+    if isinstance(node, list):
+        for index, item in enumerate(node):
+            refuse_standard_library_target(item, f"{where}[{index}]")
+        return
+    if not isinstance(node, Mapping):
+        return
+    target = node.get("_target_")
+    if isinstance(target, str):
+        top = target.split(".")[0]
+        if top in ("builtins", "__builtin__") or top in sys.stdlib_module_names:
+            raise ValueError(
+                f"{where}._target_: got {target!r}, a standard-library callable; expected a factory from your own "
+                "code or a package (a YAML _target_ is imported and called: a configuration is as trusted as a "
+                "script, and this one would run the standard library's code)"
+            )
+    for key, value in node.items():
+        if key != "_target_":
+            refuse_standard_library_target(value, f"{where}.{key}")
 
 
 def instantiate(node: Any, **overrides: Any) -> Any:

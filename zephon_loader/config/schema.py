@@ -467,7 +467,9 @@ def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:
         )
     target = node.pop("_target_", None)
     if target is not None:
-        built = resolve_target(target)
+        # Checked on the dotted name first: nothing outside this package is imported for a dataloader node.
+        own = isinstance(target, str) and target.startswith("zephon_loader.")
+        built = resolve_target(target) if own else None
         if not (isinstance(built, type) and issubclass(built, cls)):
             raise ValueError(
                 f"{where}._target_: got {target!r}, expected {getattr(cls, 'YAML_TARGET', cls.__name__)} "
