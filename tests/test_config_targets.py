@@ -39,3 +39,13 @@ def test_a_nested_target_is_checked_too():
         refuse_standard_library_target({"_target_": "my_pkg.make", "options": [{"_target_": "os.getcwd"}]},
                                        "dataloader.processor")
     refuse_standard_library_target({"_target_": "zephon_loader.Qwen2VLRecordProcessor", "path": "x"}, "p")
+
+
+def test_a_misspelled_key_names_the_closest_one():
+    from zephon_loader.config import text_loader_config
+
+    with pytest.raises(ValueError, match=r"dataloader\.shuffel: unknown key \(did you mean 'shuffle'\?\); expected "
+                                         r"one of \['base_dir'"):
+        text_loader_config(sources=[], shuffel=True)
+    with pytest.raises(ValueError, match=r"dataloader\.zzz: unknown key; expected one of"):
+        text_loader_config(sources=[], zzz=1)

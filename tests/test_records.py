@@ -229,3 +229,15 @@ def test_longer_than_row_is_counted_not_silent(tmp_path):
     assert 4 not in delivered
     assert report["dropped"] == {"longer_than_row": {"documents": 1, "tokens": 40, "first": f"source 'tok', shard {folder / 'part-00000.jsonl'}, line 2"}}
     assert report["sources"]["tok"]["delivered"] == {"documents": 3, "tokens": 14}
+
+
+def test_a_control_character_in_a_json_line_is_named_once(tmp_path, tokenizer_dir):
+    """``json``'s own message ends in "at"; the location follows it without "at at"."""
+    lines = good_lines()
+    lines.insert(1, '{"text": "tab\tinside"}')
+    folder = write_lines(tmp_path / "web", lines)
+    with build_text_loader(text_config(folder, tokenizer_dir)) as loader:
+        with pytest.raises(BadRecordError, match=r"line 2: not valid JSON \(Invalid control character, column 14\)") \
+                as raised:
+            collect(loader)
+    assert "at at" not in str(raised.value)

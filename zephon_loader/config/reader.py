@@ -95,6 +95,14 @@ def _convert(value: Any, expected: Any, path: str) -> Any:
     raise TypeError(f"{path}: unsupported schema type {expected!r}")  # pragma: no cover - schema bug
 
 
+def closest_match(name: str, known: Any) -> str:
+    """``" (did you mean 'shuffle'?)"`` for the known key closest to a misspelled one, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def from_mapping(cls: type, data: Any, path: str = "dataloader") -> Any:
     """Build a schema dataclass from a mapping, refusing unknown keys and wrong types.
 
@@ -113,7 +121,8 @@ def from_mapping(cls: type, data: Any, path: str = "dataloader") -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"{path}.{unknown[0]}: unknown key; expected one of {sorted(known)}")
+        raise ValueError(f"{path}.{unknown[0]}: unknown key{closest_match(str(unknown[0]), known)}; expected one of "
+                         f"{sorted(known)}")
     kwargs = {}
     for name, spec in known.items():
         if name in data:

@@ -173,8 +173,9 @@ class ZephonDataloaderConfig(TextLoaderConfig):
                 ``distributed.aggregate_store`` defaults to ``torch://`` (see
                 ``build_text_loader``). A validation loader ignores them: every
                 rank reads it whole.
-            pp_enabled: Pipeline parallelism needs full batches; Zephon always
-                drops the final partial batch, so nothing more is needed.
+            pp_enabled: Pipeline parallelism needs full batches; every batch has
+                ``micro_batch_size`` rows (the short last batch of a pass is
+                completed with all-padding rows), so nothing more is needed.
             tokenizer: Used when the YAML names no tokenizer path.
             dataset_build_context: Entered while the pipeline is built.
             supports_seq_lens: Whether the model accepts THD ``seq_lens``; a THD

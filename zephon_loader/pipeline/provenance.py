@@ -103,7 +103,7 @@ class ShardTable:
                             json.loads(line)
                         except ValueError as bad:
                             return BadRecordError(
-                                f"source {src.name!r}, shard {file}, line {number}: not valid JSON ({bad.msg} at "
+                                f"source {src.name!r}, shard {file}, line {number}: not valid JSON ({bad.msg.removesuffix(' at')}, "
                                 f"column {bad.colno}): {line.strip()[:60]!r}. Fix or remove the line; a line that "
                                 "does not parse is an error even under on_bad_record: skip "
                                 "(Zephon's reader fails on it)."
