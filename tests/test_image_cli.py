@@ -61,3 +61,21 @@ def test_the_cli_runs_and_inspects_image_configs(tmp_path, capsys):
     assert out.stat().st_size > 10_000
     assert cli.main(["inspect", str(default_image_config_path()), "--out", str(out), "--row", "99"]) == 2
     assert "--row: got 99" in capsys.readouterr().err
+
+
+def test_the_cli_runs_a_bundled_config_named_by_pkg_url(capsys):
+    """``zephon-loader run pkg://image_demo.yaml``: the packaged image demo, from a clone or a wheel."""
+    from zephon_loader.cli import commands as cli
+    from zephon_loader.cli.configs import config_path
+
+    assert config_path("pkg://image_demo.yaml") == default_image_config_path()
+    assert cli.main(["run", "pkg://image_demo.yaml", "--steps", "1"]) == 0
+    assert "images" in capsys.readouterr().out
+
+
+def test_a_foreign_target_is_not_imported_to_tell_the_kind():
+    import sys
+
+    sys.modules.pop("this", None)
+    assert not is_image_config({"_target_": "this.s", "processor": {}})
+    assert "this" not in sys.modules

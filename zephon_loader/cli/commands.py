@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from zephon_loader import __version__
 from zephon_loader import fields as F
-from zephon_loader.cli.configs import WRAP_HINT, config_and_builder, no_batch_error
+from zephon_loader.cli.configs import WRAP_HINT, config_and_builder, config_path, no_batch_error
 from zephon_loader.cli.inspect import image_counts, inspect
 from zephon_loader.zephon_compat import worker_crash_info
 
@@ -244,11 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"zephon-loader {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="iterate a loader and report throughput and packing statistics")
-    run_parser.add_argument("config", nargs="?", type=Path, default=None, help="YAML (default: the bundled demo)")
+    run_parser.add_argument("config", nargs="?", type=config_path, default=None,
+                            help="YAML file, or pkg://NAME for a bundled one (default: pkg://demo.yaml)")
     run_parser.add_argument("--steps", type=int, default=None, help="stop after N batches (default: one pass)")
     run_parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
     inspect_parser = commands.add_parser("inspect", help="draw the first batch to a PNG")
-    inspect_parser.add_argument("config", nargs="?", type=Path, default=None, help="YAML (default: the bundled demo)")
+    inspect_parser.add_argument("config", nargs="?", type=config_path, default=None,
+                                help="YAML file, or pkg://NAME for a bundled one (default: pkg://demo.yaml)")
     inspect_parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     inspect_parser.add_argument("--row", type=int, default=0,
                                 help="row whose block mask is drawn, 0 <= ROW < micro_batch_size (default 0)")

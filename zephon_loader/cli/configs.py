@@ -38,13 +38,25 @@ def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
     if not isinstance(node, Mapping):
         return False
     target = node.get("_target_")
-    if isinstance(target, str):
+    if isinstance(target, str) and target.startswith("zephon_loader."):  # nothing else is imported for a node
         try:
             built = resolve_target(target)
         except ImportError:
             return False
         return isinstance(built, type) and issubclass(built, ImageLoaderConfig)
+    if isinstance(target, str):
+        return False  # the reader refuses it, naming the target
     return any(key in node for key in _IMAGE_KEYS)
+
+
+def config_path(text: str) -> Path:
+    """A ``config`` argument as a path: ``pkg://NAME`` is ``NAME`` in the installed package's ``data/`` (the
+    bundled demos: ``pkg://demo.yaml``, ``pkg://image_demo.yaml``, ...), anything else a file path."""
+    from zephon_loader.config import PACKAGE_DATA_PREFIX, package_data_dir
+
+    if text.startswith(PACKAGE_DATA_PREFIX):
+        return package_data_dir() / text[len(PACKAGE_DATA_PREFIX):]
+    return Path(text)
 
 
 def config_and_builder(config: Path) -> tuple[Any, Callable[[Any], Any]]:

@@ -221,7 +221,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config: {path} does not exist; expected a YAML file (see configs/demo.yaml)")
+        raise FileNotFoundError(f"config: {path} does not exist; expected a YAML file (the bundled demos: "
+                                "pkg://demo.yaml, pkg://image_demo.yaml)")
     with path.open() as handle:
         try:
             data = yaml.safe_load(handle)
