@@ -49,3 +49,25 @@ def test_a_misspelled_key_names_the_closest_one():
         text_loader_config(sources=[], shuffel=True)
     with pytest.raises(ValueError, match=r"dataloader\.zzz: unknown key; expected one of"):
         text_loader_config(sources=[], zzz=1)
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    ({"contract": {"attn_implementation": "flash"}}, r"dataloader\.contract\.attn_implementation: got 'flash'"),
+    ({"tokenizer": {"path": "no_such_tokenizer"}}, r"dataloader\.tokenizer\.path: got '.*no_such_tokenizer'"),
+    ({"sources": [{"name": "a", "path": "no_such_folder"}]}, r"dataloader\.sources\[0\]\.path \('a'\): got"),
+    ({"shuffel": True}, r"dataloader\.shuffel: unknown key \(did you mean 'shuffle'\?\)"),
+])
+def test_every_config_error_has_one_shape_file_key_seen_expected(tmp_path, change, key):
+    """File, then the ``dataloader.`` key path, what was seen and what was expected: for schema errors and for
+    the ones found while building (paths, tokenizer, attention name)."""
+    from zephon_loader import build_text_loader
+    from zephon_loader.config import default_config_path
+
+    node = yaml.safe_load(default_config_path().read_text())
+    node["dataloader"].update(change)
+    node["dataloader"]["base_dir"] = str(default_config_path().parent)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(node))
+    with pytest.raises((ValueError, TypeError, FileNotFoundError), match=rf"^{path}: {key}.*expected") as raised:
+        build_text_loader(path)
+    assert "\n" not in str(raised.value)

@@ -187,10 +187,11 @@ def build_text_loader(
         TypeError/ValueError: Bad configuration or contract, before anything starts.
     """
     cfg = read_loader_config(config)
-    return build_loader(cfg, TextStage(cfg, tokenizer), packing_contract=packing_contract, dp_rank=dp_rank,
-                        dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
-                        dataset_build_context=dataset_build_context, pin_memory=pin_memory,
-                        loader_class=loader_class)
+    with _errors_name_the_file(config):
+        return build_loader(cfg, TextStage(cfg, tokenizer), packing_contract=packing_contract, dp_rank=dp_rank,
+                            dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
+                            dataset_build_context=dataset_build_context, pin_memory=pin_memory,
+                            loader_class=loader_class)
 
 
 def build_image_loader(
@@ -234,12 +235,26 @@ def build_image_loader(
         TypeError/ValueError: Bad configuration, contract or processor, before anything starts.
     """
     cfg = read_loader_config(config, ImageLoaderConfig)
-    stage = ImageStage(cfg, processor=processor, get_rope_index=get_rope_index, micro_batch_size=micro_batch_size,
-                       model_path=model_path)
-    return build_loader(cfg, stage, packing_contract=packing_contract, dp_rank=dp_rank,  # type: ignore[return-value]
-                        dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
-                        dataset_build_context=dataset_build_context, pin_memory=pin_memory,
-                        loader_class=loader_class)
+    with _errors_name_the_file(config):
+        stage = ImageStage(cfg, processor=processor, get_rope_index=get_rope_index,
+                           micro_batch_size=micro_batch_size, model_path=model_path)
+        return build_loader(cfg, stage, packing_contract=packing_contract, dp_rank=dp_rank,  # type: ignore[return-value]
+                            dp_world_size=dp_world_size, dp_group=dp_group, collate_wrapper=collate_wrapper,
+                            dataset_build_context=dataset_build_context, pin_memory=pin_memory,
+                            loader_class=loader_class)
+
+
+@contextlib.contextmanager
+def _errors_name_the_file(config: Any) -> Any:
+    """A configuration error (``dataloader.<key>: got ..., expected ...``) raised while building from a YAML
+    file names the file first, as the reader's own errors do."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if isinstance(config, (str, Path)) and message.startswith("dataloader."):
+            raise type(error)(f"{Path(config).expanduser().resolve()}: {message}") from error
+        raise
 
 
 def resolve_contract(config: LoaderConfig, packing_contract: object | None) -> PackingContract:

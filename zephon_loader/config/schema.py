@@ -154,7 +154,18 @@ class ContractConfig:
     qkv_format: Literal["bshd", "thd"] = "bshd"
 
     def build(self) -> PackingContract:
-        """The contract these fields describe."""
+        """The contract these fields describe.
+
+        Raises:
+            ValueError/TypeError: An unknown attention name or a combination no contract has, as
+                ``dataloader.contract.<key>: got ..., expected ...``.
+        """
+        try:
+            return self._build()
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{LOADER_SECTION}.contract.{error}") from None
+
+    def _build(self) -> PackingContract:
         if self.attn_implementation is not None:
             return contract_for_attention(
                 self.attn_implementation,

@@ -153,12 +153,12 @@ def _load_tokenizer(config: TextLoaderConfig, mode: str, tokenizer_dir: Any) -> 
         if mode != "pretokenized":
             # Zephon would silently fall back to a hash stub whose ids change per process.
             raise ValueError(
-                _err("tokenizer.path", None, f"a local tokenizer folder for {mode} input",
+                _err("dataloader.tokenizer.path", None, f"a local tokenizer folder for {mode} input",
                      "Set tokenizer.path: <folder written by save_pretrained>, pass the recipe's tokenizer, "
                      "or set tokenizer.pretokenized_field: <token column>.")
             )
         return None
-    path = check_tokenizer_dir("tokenizer.path", Path(tokenizer_dir))
+    path = check_tokenizer_dir("dataloader.tokenizer.path", Path(tokenizer_dir))
     # split_special_tokens changes only how text is split, not ids, vocabulary or special tokens.
     tokenizer = load_tokenizer(path, split_special_tokens=True)
     if mode == "text":
@@ -167,13 +167,13 @@ def _load_tokenizer(config: TextLoaderConfig, mode: str, tokenizer_dir: Any) -> 
                                        (("bos_eos", "eos"), tokenizer.eos_token_id, "eos_token")):
             if special in needed and token_id is None:
                 raise ValueError(
-                    _err("tokenizer.special_tokens", special, f"a mode this tokenizer can serve (it has no {name})",
+                    _err("dataloader.tokenizer.special_tokens", special, f"a mode this tokenizer can serve (it has no {name})",
                          "Set tokenizer.special_tokens to one whose tokens the tokenizer has ('bos', 'eos' or "
                          f"'none'), or add a {name} to the tokenizer folder.")
                 )
     if mode == "chat" and config.tokenizer.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            _err("tokenizer.chat_template", None, "a chat template (the tokenizer has none)",
+            _err("dataloader.tokenizer.chat_template", None, "a chat template (the tokenizer has none)",
                  "Set tokenizer.chat_template: <jinja text or file>.")
         )
     return tokenizer
@@ -187,13 +187,13 @@ def _pad_token_id(config: TextLoaderConfig, tokenizer: Any) -> int:
         # Every algorithm pads: the last row of the stream (and of each Zephon flush) and the
         # all-padding rows that complete the last batch.
         raise ValueError(
-            _err("pad_token_id", None, "a pad id (every packing algorithm pads the last row of a pass)",
+            _err("dataloader.pad_token_id", None, "a pad id (every packing algorithm pads the last row of a pass)",
                  "Set pad_token_id: <id>, or use a tokenizer with a pad or eos token.")
         )
     if tokenizer is not None:
-        check_token_id("pad_token_id", pad, len(tokenizer))
+        check_token_id("dataloader.pad_token_id", pad, len(tokenizer))
     if config.eos_token_id is not None and tokenizer is not None:
-        check_token_id("eos_token_id", config.eos_token_id, len(tokenizer))
+        check_token_id("dataloader.eos_token_id", config.eos_token_id, len(tokenizer))
     return int(pad)
 
 

@@ -237,14 +237,14 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
     import zephon
 
     names = [source.name for source in config.sources]
-    paths = [check_source_dir(f"sources[{i}].path ({source.name!r})", source.path, config.resolve_path(source.path))
+    paths = [check_source_dir(f"dataloader.sources[{i}].path ({source.name!r})", source.path, config.resolve_path(source.path))
              for i, source in enumerate(config.sources)]
     datasets = [zephon.Dataset.from_path(name, str(path)) for name, path in zip(names, paths, strict=True)]
     counts = [int(ds.total()) for ds in datasets]
     for i, (name, path, n) in enumerate(zip(names, paths, counts, strict=True)):
         if n == 0:
             raise ValueError(
-                _err(f"sources[{i}].path ({name!r})", os.fspath(path), "at least one record",
+                _err(f"dataloader.sources[{i}].path ({name!r})", os.fspath(path), "at least one record",
                      "The shards are empty; add data or drop the source.")
             )
     weights = [source.weight for source in config.sources]
@@ -307,7 +307,7 @@ def _work_chunk_size(
             if n < _liveness_required(s, chunk_size)
         ]
         raise ValueError(
-            _err("chunk_size", chunk_size, f"at most {largest} for these sources ({'; '.join(short)})",
+            _err("dataloader.chunk_size", chunk_size, f"at most {largest} for these sources ({'; '.join(short)})",
                  "Set chunk_size: null to choose the largest size that fits, or add data.")
         )
     split = _split_pass(counts, shares, chunk_size)
@@ -315,7 +315,7 @@ def _work_chunk_size(
         index, reason = split
         chosen, below = (choose_chunk_size(counts, weights, upper=u) for u in (upper, chunk_size))
         raise ValueError(
-            _err("chunk_size", chunk_size, "a size with which every pass of every source is read whole",
+            _err("dataloader.chunk_size", chunk_size, "a size with which every pass of every source is read whole",
                  f"With it, Zephon can skip the end of a pass of sources[{index}] ({names[index]!r}): "
                  f"{reason}. Set chunk_size: null (picks {chosen} here)"
                  + (f" or chunk_size: {below}." if below != chosen else "."))
@@ -348,15 +348,15 @@ def lane_options(
     replicas = dp_world_size if canonical_replicas is None else canonical_replicas
     if replicas % dp_world_size:
         raise ValueError(
-            _err("distributed.canonical_replicas", replicas, f"a multiple of the data-parallel size {dp_world_size}",
+            _err("dataloader.distributed.canonical_replicas", replicas, f"a multiple of the data-parallel size {dp_world_size}",
                  "Pick canonical_replicas divisible by every DP size you will resume with (e.g. 8 for 1, 2, 4, 8).")
         )
     if aggregate_dir is not None and aggregate_store is not None:
-        raise ValueError(_err("distributed.aggregate_dir/aggregate_store", (aggregate_dir, aggregate_store),
+        raise ValueError(_err("dataloader.distributed.aggregate_dir/aggregate_store", (aggregate_dir, aggregate_store),
                               "at most one", "Drop one."))
     if dp_world_size > 1 and aggregate_dir is None and aggregate_store is None:
         raise ValueError(
-            _err("distributed.aggregate_dir", None, f"a shared directory (or aggregate_store) with {dp_world_size} "
+            _err("dataloader.distributed.aggregate_dir", None, f"a shared directory (or aggregate_store) with {dp_world_size} "
                  "data-parallel ranks",
                  "Zephon checkpoints are collective across ranks; set distributed.aggregate_dir: <shared fs path> "
                  "or distributed.aggregate_store: torch:// (with torch.distributed initialized).")
