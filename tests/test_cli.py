@@ -518,3 +518,37 @@ def test_help_and_version_import_neither_torch_nor_zephon(flag):
     assert result.returncode == 0, result.stderr
     assert "zephon-loader" in result.stdout
     assert result.stdout.strip().endswith("HEAVY []"), result.stdout[-300:]
+
+
+def test_ctrl_c_during_run_prints_the_report_so_far_and_exits_130(tmp_path):
+    """A real SIGINT to ``zephon-loader run`` on an endless stream: the partial report, its JSON, exit 130."""
+    import signal
+
+    from zephon_loader.config import default_config_path
+
+    node = yaml.safe_load(default_config_path().read_text())
+    node["dataloader"].update(passes=None, base_dir=str(default_config_path().parent))
+    config = tmp_path / "endless.yaml"
+    config.write_text(yaml.safe_dump(node))
+    report = tmp_path / "report.json"
+    process = subprocess.Popen([sys.executable, "-m", "zephon_loader.cli", "run", str(config), "--json", str(report)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    try:
+        # Event-based: wait until the progress bar shows a delivered batch ("batches: 1batch ..."), then SIGINT.
+        while process.poll() is None and not re.search(r"batches: [1-9]", seen):
+            chunk = os.read(process.stderr.fileno(), 256).decode(errors="replace")
+            if not chunk:
+                break
+            seen += chunk
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=300)
+        err = seen + err
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err[-2000:]
+    assert "(interrupted: the batches read so far)" in out and "tokens/s" in out
+    assert "this stream is endless (passes: null)" in err and err.rstrip().endswith("zephon-loader: interrupted")
+    saved = json.loads(report.read_text())
+    assert saved["interrupted"] is True and saved["batches"] >= 1

@@ -118,6 +118,9 @@ def _command_logging() -> Iterator[Any]:
 def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     """Iterate a loader and report throughput and packing statistics (printed to ``out``, default stdout).
 
+    Ctrl-C stops the iteration and the report covers the batches read so far
+    (``"interrupted": true``); ``main`` then exits with 130.
+
     The report (also returned, and written by ``--json``): batches, build and
     iteration time, tokens/s, padding fraction, documents per row,
     label-supervised fraction, the yielded fields, documents and tokens
@@ -135,25 +138,34 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg, build = config_and_builder(config)
+    if cfg.passes is None and steps is None:
+        print("zephon-loader: this stream is endless (passes: null): stop it with Ctrl-C (the report so far is "
+              "printed) or pass --steps N", file=sys.stderr)
+    interrupted = False
     with _command_logging() as notices, build(cfg) as loader:
         built = time.perf_counter()
         batches = tokens = padding = supervised = positions = ranges = rows = images = 0
         first: dict[str, Any] | None = None
-        for batch in tqdm(loader, total=steps, desc="batches", unit="batch", file=sys.stderr, leave=False):
+        try:
+            for batch in tqdm(loader, total=steps, desc="batches", unit="batch", file=sys.stderr, leave=False):
+                if first is None:
+                    first = batch
+                pad = batch[F.PADDING_MASK]
+                batches += 1
+                rows += pad.shape[0]
+                positions += pad.numel()
+                padding += int(pad.sum())
+                tokens += pad.numel() - int(pad.sum())
+                supervised += int((batch[F.LABELS] != F.IGNORE_INDEX).sum())
+                ids = _attention_ids(batch)
+                ranges += int(ids.amax(dim=1).sum()) if ids is not None else pad.shape[0]
+                images += image_counts(batch)[0]
+                if steps is not None and batches >= steps:
+                    break
+        except KeyboardInterrupt:  # Ctrl-C: the report of what was read so far, then exit 130
             if first is None:
-                first = batch
-            pad = batch[F.PADDING_MASK]
-            batches += 1
-            rows += pad.shape[0]
-            positions += pad.numel()
-            padding += int(pad.sum())
-            tokens += pad.numel() - int(pad.sum())
-            supervised += int((batch[F.LABELS] != F.IGNORE_INDEX).sum())
-            ids = _attention_ids(batch)
-            ranges += int(ids.amax(dim=1).sum()) if ids is not None else pad.shape[0]
-            images += image_counts(batch)[0]
-            if steps is not None and batches >= steps:
-                break
+                raise
+            interrupted = True
         elapsed = time.perf_counter() - built
         stats = loader.stats()
     dropped = stats["dropped"]
@@ -163,6 +175,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
         raise no_batch_error(config, dropped)
     report = {
         "config": str(config),
+        "interrupted": interrupted,
         "batches": batches,
         "build_s": round(built - started, 3),
         "iterate_s": round(elapsed, 3),
@@ -177,7 +190,8 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
         "hints": _hints(cfg, dropped),
         "zephon_log": notices.totals(),
     }
-    print(f"zephon-loader run  {config}", file=out)
+    print(f"zephon-loader run  {config}" + ("  (interrupted: the batches read so far)" if interrupted else ""),
+          file=out)
     print(f"  batches                 {batches}  (built in {report['build_s']} s, iterated in {report['iterate_s']} s)", file=out)
     print(f"  tokens/s (non-padding)  {report['tokens_per_s']:,}", file=out)
     print(f"  padding fraction        {report['padding_fraction']:.4f}", file=out)
@@ -271,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = run(config, args.steps)
             if args.json is not None:
                 args.json.write_text(json.dumps(report, indent=2))
+            if report["interrupted"]:
+                raise KeyboardInterrupt  # after the partial report (and its --json)
         else:
             print(f"wrote {inspect(config, args.out, args.row)}")
     except KeyboardInterrupt:
