@@ -92,7 +92,10 @@ def inspect(config: str | Path, out_png: str | Path, row: int = 0) -> Path:
         settings = loader.settings
         vision_ids = _vision_ids(loader.processor) if image else ()
     ids = batch[F.DOCUMENT_IDS]
-    title = f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract={settings.packed_mask_type}"
+    named = cfg.contract.attn_implementation if cfg.contract is not None else None
+    contract = settings.packed_mask_type + (" + metadata" if settings.metadata else "")
+    title = (f"{config.name}: B={ids.shape[0]}, S={ids.shape[1]}, contract="
+             + (f"{named} ({contract})" if named else contract))
     if not image:
         return save_figure(draw_batch(batch, row, title, xdoc=settings.xdoc), out_png)
     title += f", images={image_counts(batch)[0]}"
@@ -238,12 +241,15 @@ def draw_batch(batch: Mapping[str, Any], row: int, title: str, *, xdoc: bool) ->
     ineligible = (attention_ids == 0) & ~padding
 
     figure, axes = _four_panels()
-    for axis, values, panel in (
-        (axes[0, 0], ids, "document ids per row"),
-        (axes[0, 1], attention_ids, "attention ranges per row (what attention sees)"),
+    same = bool((ids == attention_ids).all())
+    ranges = ("attention ranges per row: the documents (no eligibility marks, no xdoc)" if same
+              else "attention ranges per row (what attention sees)")
+    for axis, values, panel, unattended in (
+        (axes[0, 0], ids, "document ids per row", None),
+        (axes[0, 1], attention_ids, ranges, "ineligible (in no range)"),
     ):
         _id_panel(axis, values, padding, panel)
-        _id_legend(axis, int(values.max()), unattended="ineligible (in no range)" if values is attention_ids else None)
+        _id_legend(axis, int(values.max()), unattended=unattended)
     _class_panel(axes[1, 0], token_classes(batch[F.LABELS], padding, ineligible), TOKEN_CLASSES, "tokens by class")
     for axis in (axes[0, 0], axes[0, 1], axes[1, 0]):
         _token_axes(axis)
@@ -283,6 +289,8 @@ def draw_image_batch(batch: Mapping[str, Any], row: int, title: str, *, vision_i
     _id_panel(axes[0, 1], batch[F.DOCUMENT_IDS], padding, "document ids per row (one record each)")
     for axis in (axes[0, 0], axes[0, 1]):
         _token_axes(axis)
+        rows = padding.shape[0]
+        axis.set_yticks(range(rows) if rows <= 16 else range(0, rows, max(1, rows // 8)))  # whole rows only
     _positions_panel(axes[1, 0], batch, row, xdoc=xdoc)
     _mask_panel(axes[1, 1], batch[F.ATTENTION_DOCUMENT_IDS], row,
                 f"row {row}: block-causal mask (xdoc={xdoc}); fillers in no block")
