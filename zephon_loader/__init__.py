@@ -2,6 +2,20 @@
 
 Data flow: config → builder → Zephon source → collate → final map → yield.
 
+Usage::
+
+    from zephon_loader import build_text_loader
+
+    with build_text_loader("train.yaml") as loader:          # the YAML's ``dataloader`` section
+        for step, batch in enumerate(loader):                # dicts of CPU tensors, AutoModel's names
+            ...
+            state = loader.state_dict()                      # a later loader.load_state_dict(state)
+                                                             # yields the next batch exactly
+
+What each batch holds per packing contract: ``docs/contract.md``. Trainers:
+``zephon_loader.lightning``, ``zephon_loader.accelerate``, ``zephon_loader.hf``,
+``zephon_loader.automodel``. The CLI: ``zephon-loader run | inspect``.
+
 The public names below are imported on first use (PEP 562), so that
 ``import zephon_loader`` — and ``zephon-loader --help`` / ``--version`` —
 do not pay for torch, Zephon and transformers until something needs them.

@@ -51,6 +51,12 @@ TrainingBatch = TypedDict(
     },
     total=False,
 )
+TrainingBatch.__doc__ = (
+    "A collated batch of CPU tensors under the package's internal names (zephon_loader.fields), before the final "
+    "map renames and adds the contract's fields. [B, S] int64 input_ids and labels (-100 where unsupervised), bool "
+    "padding_mask (True at trailing padding), int64 position_ids ([B, S], or [3, B, S] mRoPE), int64 document_ids "
+    "(1-based per row, 0 at padding), and attention_document_ids (0 also at ineligible tokens). See docs/contract.md."
+)
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
