@@ -107,3 +107,69 @@ def test_wheel_carries_license_typing_marker_and_data(tmp_path):
     assert "zephon_loader/py.typed" in names
     assert {"zephon_loader/data/demo.yaml", "zephon_loader/data/tokenizer/tokenizer_config.json"} <= names
     assert 'transformers>=5; extra == "hf"' in metadata.get_all("Requires-Dist")
+
+
+def _tracked_copy(tmp_path: Path) -> Path:
+    """The repository's tracked files (as a clone has them), copied to ``tmp_path/src``."""
+    source = tmp_path / "src"
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        target = source / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / name).is_file():
+            shutil.copy(REPO / name, target)  # a symlinked config is copied as the file it names
+    return source
+
+
+def test_sdist_carries_what_its_readme_and_tests_refer_to(tmp_path):
+    import tarfile
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout")
+    source = _tracked_copy(tmp_path)
+    built = subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({str(tmp_path / 'dist')!r})"],
+        cwd=source, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (sdist,) = (tmp_path / "dist").glob("zephon_loader-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+        metadata = email.message_from_bytes(archive.extractfile(
+            next(m for m in archive.getmembers() if m.name.endswith("/PKG-INFO"))).read())
+    for needed in ("CHANGELOG.md", "LICENSE", "README.md", "docs/contract.md", "configs/demo.yaml",
+                   "configs/image_demo.yaml", "examples/distributed.py", "scripts/dev.sh", "scripts/constraints.txt",
+                   "benchmarks/bench_loader.py", "tests/test_packaging.py", "tests/conftest.py"):
+        assert needed in names, needed
+    assert not any("__pycache__" in name for name in names)
+    assert metadata["Author"] or metadata["Author-email"]
+    assert "Programming Language :: Python :: 3.11" in metadata.get_all("Classifier")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a fresh venv with the CPU torch of these machines")
+def test_the_image_demo_runs_from_a_wheel_installed_with_the_image_extra(tmp_path):
+    """A fresh virtual environment: CPU torch, then the wheel with ``[image]`` only; the packaged image demo runs
+    (``zephon-loader run pkg://image_demo.yaml``)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "zephon_loader", source / "zephon_loader",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    wheel_dir = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", str(source), "-w", str(wheel_dir)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = wheel_dir.glob("zephon_loader-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "scripts" / "constraints.txt")]
+    for step in (["torch==2.13.0"], [f"{wheel}[image]"]):
+        done = subprocess.run(pip + step, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0 and any(word in done.stderr for word in ("Could not find", "No matching", "connection")):
+            pytest.skip(f"the package index cannot serve {step}: {done.stderr.strip().splitlines()[-1]}")
+        assert done.returncode == 0, done.stderr[-3000:]
+    run = subprocess.run([str(venv / "bin" / "zephon-loader"), "run", "pkg://image_demo.yaml", "--steps", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "images" in run.stdout and "batches                 2" in run.stdout
