@@ -96,3 +96,28 @@ def test_summary_is_thread_safe_totals():
         thread.join()
     assert summary.totals() == {"best_fit_longer_than_row": {
         "log_records": 2000, "documents": 4000, "tokens": 100_000, "max_length": 16}}
+
+
+def test_a_mid_window_state_says_what_a_resume_guarantees():
+    """Zephon's "will permute the remainder" reads as "my data order changes": the loader explains it, once."""
+    import warnings
+
+    import yaml
+
+    from zephon_loader import build_text_loader, zephon_compat
+    from zephon_loader.config import default_config_path
+
+    node = yaml.safe_load(default_config_path().read_text())["dataloader"]
+    node.update(base_dir=str(default_config_path().parent), read_ahead=0, distributed={"canonical_replicas": 2},
+                runtime={"runner": "threads"})
+    zephon_compat._explained.clear()
+    with build_text_loader(node) as loader, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        it = iter(loader)
+        next(it)
+        loader.state_dict()
+        loader.state_dict()
+    texts = [str(w.message) for w in caught]
+    assert not any(text.startswith("[zephon] Checkpoint taken mid-window") for text in texts)
+    ours = [text for text in texts if text.startswith("zephon_loader: this state was taken inside a Zephon window")]
+    assert len(ours) == 1 and "same data-parallel size is exact" in ours[0]

@@ -21,17 +21,22 @@ the functions that need it, so importing this module stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 __all__ = [
     "ZEPHON_LOSS_MASK_KEY",
     "ZEPHON_PACK_LOGGER",
+    "WINDOW_WARNINGS",
     "ZEPHON_TOKENS_KEY",
     "ZephonKeys",
     "aggregate_round",
     "check_engine_state",
     "close_engine",
+    "explained_window_warnings",
     "jsonl_suffixes",
     "round_coordinator",
     "runtime_options",
@@ -191,3 +196,46 @@ def jsonl_suffixes() -> tuple[str, ...]:
         return tuple(JSONL_SUFFIXES)
     except Exception:  # pragma: no cover - private module moved
         return (_JSONL_SUFFIX,)
+
+
+#: Zephon 0.2's warnings about a checkpoint cut inside a global window (``engine.Engine``), and what they mean
+#: for a loader's user: message prefix -> the explanation the loader warns with instead, once per process.
+WINDOW_WARNINGS = {
+    "[zephon] Checkpoint taken mid-window": (
+        "zephon_loader: this state was taken inside a Zephon window (its lanes had delivered different numbers "
+        "of batches). Resuming it at the same data-parallel size is exact, batch for batch. At another size every "
+        "row is still delivered exactly once; only the rows left in that window may come in another order. For "
+        "the same order at any size, save when the global batch count is a multiple of "
+        "distributed.canonical_replicas."
+    ),
+    "[zephon] Resuming a mid-window checkpoint": (
+        "zephon_loader: resuming a state taken inside a Zephon window at another data-parallel size: every row is "
+        "delivered exactly once; the rows left in that window come in another order than at the old size."
+    ),
+}
+_explained: set[str] = set()
+_explained_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def explained_window_warnings() -> Iterator[None]:
+    """Replace Zephon's mid-window checkpoint warnings raised inside with :data:`WINDOW_WARNINGS` (each once
+    per process); every other warning is re-issued as it was.
+
+    Zephon words them for its own engine ("will permute the remainder of the current global window"), which a
+    user reads as "my data order changes": the loader says what a resume guarantees instead.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for record in caught:
+        text = str(record.message)
+        prefix = next((p for p in WINDOW_WARNINGS if text.startswith(p)), None)
+        if prefix is None:
+            warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
+            continue
+        with _explained_lock:
+            first = prefix not in _explained
+            _explained.add(prefix)
+        if first:
+            warnings.warn(WINDOW_WARNINGS[prefix], RuntimeWarning, stacklevel=3)

@@ -23,7 +23,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from zephon_loader.errors import field_error as _err
-from zephon_loader.zephon_compat import check_engine_state, close_engine, worker_crash_info
+from zephon_loader.zephon_compat import check_engine_state, close_engine, explained_window_warnings, worker_crash_info
 
 __all__ = ["ZephonSource"]
 
@@ -166,7 +166,8 @@ class ZephonSource(BaseNode):
             self._enter_epoch(self._epoch_of(initial_state))
             self._next_epoch = self._epoch
             self._pipeline.restore(_restorable(checkpoint))
-        self._iterator = iter(self._pipeline)
+        with explained_window_warnings():
+            self._iterator = iter(self._pipeline)
 
     def next(self) -> Any:
         if self._closed:
@@ -190,7 +191,8 @@ class ZephonSource(BaseNode):
             raise
 
     def get_state(self) -> dict[str, Any]:
-        state = {self.STATE_KEY: self._pipeline.checkpoint()}
+        with explained_window_warnings():
+            state = {self.STATE_KEY: self._pipeline.checkpoint()}
         if self._epoch:
             state[self.EPOCH_KEY] = self._epoch
         return state
