@@ -80,7 +80,7 @@ def test_changelog_has_the_released_and_unreleased_sections():
     assert headings[:2] == ["Unreleased", PYPROJECT["project"]["version"]]
 
 
-def test_wheel_carries_license_typing_marker_and_data(tmp_path):
+def _build_wheel(tmp_path: Path) -> Path:
     """Build the wheel offline (the environment's setuptools, no isolation) from a copy of the sources."""
     source = tmp_path / "src"
     source.mkdir()
@@ -97,6 +97,11 @@ def test_wheel_carries_license_typing_marker_and_data(tmp_path):
         pytest.skip("pip is not installed in this environment")
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "dist").glob("zephon_loader-*.whl")
+    return wheel
+
+
+def test_wheel_carries_license_typing_marker_and_data(tmp_path):
+    wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
@@ -149,17 +154,7 @@ def test_sdist_carries_what_its_readme_and_tests_refer_to(tmp_path):
 def test_the_image_demo_runs_from_a_wheel_installed_with_the_image_extra(tmp_path):
     """A fresh virtual environment: CPU torch, then the wheel with ``[image]`` only; the packaged image demo runs
     (``zephon-loader run pkg://image_demo.yaml``)."""
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(REPO / name, source / name)
-    shutil.copytree(REPO / "zephon_loader", source / "zephon_loader",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    wheel_dir = tmp_path / "dist"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "-q", str(source), "-w", str(wheel_dir)], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-2000:]
-    (wheel,) = wheel_dir.glob("zephon_loader-*.whl")
+    wheel = _build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
