@@ -168,3 +168,14 @@ def test_the_image_demo_runs_from_a_wheel_installed_with_the_image_extra(tmp_pat
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "images" in run.stdout and "batches                 2" in run.stdout
+
+
+def test_help_on_the_package_is_short_fast_and_names_every_public_name():
+    """``help(zephon_loader)``: the usage example and every public name, without importing torch for each."""
+    code = ("import pydoc, sys, zephon_loader; text = pydoc.render_doc(zephon_loader, renderer=pydoc.plaintext); "
+            "print(len(text.splitlines())); print('torch' in sys.modules); "
+            "print(all(name in text for name in zephon_loader.__all__)); print('build_text_loader(' in text)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    lines, torch_loaded, every_name, example = out.stdout.split()
+    assert int(lines) < 200 and torch_loaded == "False" and every_name == "True" and example == "True"
+    assert "build_text_loader" in dir(zephon_loader) or "build_text_loader" in zephon_loader.__all__

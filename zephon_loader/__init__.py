@@ -12,6 +12,17 @@ Usage::
             state = loader.state_dict()                      # a later loader.load_state_dict(state)
                                                              # yields the next batch exactly
 
+Public names (imported on first use; ``help(name)`` documents each): ``build_text_loader``,
+``build_image_loader``, ``ZephonLoader``, ``ImageLoader``, ``TextLoaderConfig``, ``ImageLoaderConfig``,
+``ZephonDataloaderConfig``, ``ZephonVLMDataloaderConfig``, ``read_loader_config``, ``load_yaml``,
+``instantiate``, ``build_pipeline``, ``ZephonSource``, ``ReadAhead``, ``FinalizeSettings``,
+``finalize_batch``, ``TrainingBatch``, ``adapt_model_inputs``, ``enable_xdoc_attention``,
+``require_supported_packing_contract``, ``PackingContract``, ``PackedSequenceContract``,
+``DEFAULT_PACKED_SEQUENCE_CONTRACT``, ``contract_for_attention``, ``build_packed_sequence_metadata``,
+``flatten_packed_sequence_metadata``, the attention backends (``initialize_attn_module_and_func``,
+``preprocess_args_and_kwargs_for_attn``, ``postprocess_output_for_attn``), and the image processors
+(``Qwen2VLRecordProcessor``, ``ImageTextRecord``, ``ProcessedRecord``).
+
 What each batch holds per packing contract: ``docs/contract.md``. Trainers:
 ``zephon_loader.lightning``, ``zephon_loader.accelerate``, ``zephon_loader.hf``,
 ``zephon_loader.automodel``. The CLI: ``zephon-loader run | inspect``.
@@ -82,7 +93,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The names loaded so far (``__all__`` lists every public one): ``help(zephon_loader)`` shows this
+    docstring without importing torch for every lazy name, and a name joins ``dir()`` once used."""
+    return sorted(globals())
 
 
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
