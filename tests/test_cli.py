@@ -552,3 +552,26 @@ def test_ctrl_c_during_run_prints_the_report_so_far_and_exits_130(tmp_path):
     assert "this stream is endless (passes: null)" in err and err.rstrip().endswith("zephon-loader: interrupted")
     saved = json.loads(report.read_text())
     assert saved["interrupted"] is True and saved["batches"] >= 1
+
+
+def test_the_text_picture_never_draws_the_same_panel_twice(loader_yaml):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zephon_loader.cli import inspect as cli
+
+    with build_from_yaml(loader_yaml(sequence_length=64)) as loader:
+        batch = loader.preview()
+    assert bool((batch[F.DOCUMENT_IDS] == batch[F.ATTENTION_DOCUMENT_IDS]).all())
+    figure = cli.draw_batch(batch, 0, "t", xdoc=False)
+    titles = [axis.get_title() for axis in figure.axes]
+    plt.close(figure)
+    assert titles[1] == "row 0: positions (restart at 0 at each document)" and "= attention ranges" in titles[0]
+    holed = dict(batch, **{F.ATTENTION_DOCUMENT_IDS: batch[F.ATTENTION_DOCUMENT_IDS].clone()})
+    holed[F.ATTENTION_DOCUMENT_IDS][0, 1] = 0  # an ineligible token: the ranges differ from the documents
+    figure = cli.draw_batch(holed, 0, "t", xdoc=False)
+    titles = [axis.get_title() for axis in figure.axes]
+    plt.close(figure)
+    assert titles[:2] == ["document ids per row", "attention ranges per row (what attention sees)"]

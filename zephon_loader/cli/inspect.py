@@ -241,17 +241,21 @@ def draw_batch(batch: Mapping[str, Any], row: int, title: str, *, xdoc: bool) ->
     ineligible = (attention_ids == 0) & ~padding
 
     figure, axes = _four_panels()
+    # Without eligibility marks or xdoc the attention ranges are the documents: the panel beside them then
+    # shows row `row`'s positions instead of the same picture twice.
     same = bool((ids == attention_ids).all())
-    ranges = ("attention ranges per row: the documents (no eligibility marks, no xdoc)" if same
-              else "attention ranges per row (what attention sees)")
-    for axis, values, panel, unattended in (
-        (axes[0, 0], ids, "document ids per row", None),
-        (axes[0, 1], attention_ids, ranges, "ineligible (in no range)"),
-    ):
+    panels = [(axes[0, 0], ids, "document ids per row (= attention ranges: no eligibility marks, no xdoc)" if same
+               else "document ids per row", None)]
+    if not same:
+        panels.append((axes[0, 1], attention_ids, "attention ranges per row (what attention sees)",
+                       "ineligible (in no range)"))
+    for axis, values, panel, unattended in panels:
         _id_panel(axis, values, padding, panel)
         _id_legend(axis, int(values.max()), unattended=unattended)
+    if same:
+        _text_positions_panel(axes[0, 1], batch, row)
     _class_panel(axes[1, 0], token_classes(batch[F.LABELS], padding, ineligible), TOKEN_CLASSES, "tokens by class")
-    for axis in (axes[0, 0], axes[0, 1], axes[1, 0]):
+    for axis in [panel[0] for panel in panels] + [axes[1, 0]]:
         _token_axes(axis)
         axis.set_yticks(range(ids.shape[0]) if ids.shape[0] <= 16 else axis.get_yticks())
     axis = axes[1, 1]
@@ -367,6 +371,23 @@ def _mask_panel(axis: Any, attention_ids: torch.Tensor, row: int, title: str) ->
     axis.set_title(title)
     axis.set_xlabel("key")
     axis.set_ylabel("query")
+
+
+def _text_positions_panel(axis: Any, batch: Mapping[str, Any], row: int) -> None:
+    """Row ``row``'s positions (restarting at 0 at each document), its padding run shaded."""
+    import torch
+
+    padding = batch[F.PADDING_MASK][row]
+    positions = batch[F.POSITION_IDS][row]
+    columns = torch.arange(positions.shape[-1])
+    axis.plot(columns.numpy(), positions.numpy(), "-", color="tab:blue", linewidth=1.2, label="position_ids")
+    used = int((~padding).sum())
+    if used < positions.shape[-1]:
+        axis.axvspan(used - 0.5, positions.shape[-1] - 0.5, color="0.9", label="padding (own run)")
+    axis.legend(loc="upper left", fontsize=8)
+    axis.set_title(f"row {row}: positions (restart at 0 at each document)")
+    axis.set_xlabel("token")
+    axis.set_ylabel("position")
 
 
 def _positions_panel(axis: Any, batch: Mapping[str, Any], row: int, *, xdoc: bool) -> None:
