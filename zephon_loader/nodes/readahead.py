@@ -23,7 +23,8 @@ resumes at batch ``k + 1``. The source's state is asked for only when the
 node's state is (never per batch: ``pipeline.checkpoint()`` is a cross-rank
 collective; torchdata's ``Prefetcher`` would call it for every item).
 Buffered batches are plain lists (JSON- and pickle-safe); at most ``depth`` of
-them per rank.
+them per rank, plus, in a state taken as of ``lag`` batches back
+(:meth:`ReadAhead.get_state`), the last ``lag <= retain`` delivered ones in front.
 """
 
 from __future__ import annotations
