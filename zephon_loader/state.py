@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -214,3 +216,22 @@ def _checked_stats(saved: Any, stats: LoaderStats | None) -> dict[str, Any] | No
                          "returned by ZephonLoader.state_dict()")
     LoaderStats(stats.source_names, stats.drop_log, stats.reasons).load_state_dict(saved)  # raises if malformed
     return copy.deepcopy(dict(saved))
+
+
+def write_json_atomically(path: str | os.PathLike[str], document: Any) -> None:
+    """``document`` as JSON at ``path`` via a temporary file beside it, fsync and rename (parent folders made).
+
+    A failure (a full disk, a signal) leaves the previous file at ``path`` whole and no temporary file behind.
+    """
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(document, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)

@@ -26,11 +26,11 @@ atomically (a full disk leaves the previous file whole)::
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from zephon_loader.loader import ZephonLoader
+from zephon_loader.state import write_json_atomically
 
 __all__ = ["STATE_FILE", "checkpoint_loaders"]
 
@@ -61,7 +61,7 @@ def checkpoint_loaders(accelerator: Any, *loaders: ZephonLoader) -> list[Any]:
 
     def save(models: Any, weights: Any, output_dir: str) -> None:
         for index, loader in enumerate(loaders):  # every process takes part: state_dict() may be a collective
-            _write_atomically(path(output_dir, index), json.dumps(loader.state_dict()))
+            write_json_atomically(path(output_dir, index), loader.state_dict())
 
     def load(models: Any, input_dir: str) -> None:
         for index, loader in enumerate(loaders):
@@ -76,15 +76,3 @@ def checkpoint_loaders(accelerator: Any, *loaders: ZephonLoader) -> list[Any]:
 
     return [accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)]
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``text`` to ``path`` via a temporary file, fsync and rename: the previous file stays whole on failure."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -72,6 +72,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from zephon_loader import fields as F
 from zephon_loader.errors import field_error
 from zephon_loader.loader import ZephonLoader
+from zephon_loader.state import write_json_atomically
 
 __all__ = ["STATE_FILE", "STATE_FORMAT", "TrainerBatches", "ZephonTrainer", "read_loader_state"]
 
@@ -352,7 +353,7 @@ class ZephonTrainer(Trainer):
                 "world_size": self.args.world_size,
                 "loader": self.train_loader.state_dict(),
             }
-            _write_json_atomically(os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)), document)
+            write_json_atomically(os.path.join(folder, STATE_FILE.format(rank=self.args.process_index)), document)
         super()._save_checkpoint(model, trial)
 
     # -- checks ---------------------------------------------------------------------------
@@ -511,12 +512,3 @@ def _loader_data_parallel(loader: ZephonLoader) -> tuple[int, int]:
     """(dp_rank, dp_world_size) the loader was built for."""
     return loader.dp_rank, loader.dp_world_size
 
-
-def _write_json_atomically(path: str, document: Mapping[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as handle:
-        json.dump(document, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
