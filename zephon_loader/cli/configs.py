@@ -33,12 +33,13 @@ def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
     (or a subclass, like ``ZephonVLMDataloaderConfig``), or it has ``processor`` or ``records``.
     """
     from zephon_loader.config import LOADER_SECTION, ImageLoaderConfig, load_yaml, resolve_target
+    from zephon_loader.config.reader import names_this_package
 
     node = load_yaml(Path(config)).get(LOADER_SECTION) if isinstance(config, (str, Path)) else config
     if not isinstance(node, Mapping):
         return False
     target = node.get("_target_")
-    if isinstance(target, str) and target.startswith("zephon_loader."):  # nothing else is imported for a node
+    if names_this_package(target):  # nothing else is imported for a node
         try:
             built = resolve_target(target)
         except ImportError:

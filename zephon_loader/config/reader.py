@@ -160,6 +160,12 @@ def resolve_target(dotted_path: str) -> Any:
     raise ImportError(f"_target_: cannot import any module prefix of {dotted_path!r}")
 
 
+def names_this_package(target: Any) -> bool:
+    """Whether a dataloader ``_target_`` names something of this package: the only ones ever imported for a
+    dataloader node (checked on the dotted name, before any import)."""
+    return isinstance(target, str) and target.startswith("zephon_loader.")
+
+
 def refuse_standard_library_target(node: Any, where: str) -> None:
     """Refuse, before anything is imported, a ``_target_`` (in ``node`` or nested in it) that names a
     standard-library or builtin callable.

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping
 
-from zephon_loader.config.reader import LOADER_SECTION, _convert, from_mapping, load_yaml, resolve_target
+from zephon_loader.config.reader import (
+    LOADER_SECTION,
+    _convert,
+    from_mapping,
+    load_yaml,
+    names_this_package,
+    resolve_target,
+)
 from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, PackingContract, contract_for_attention
 
 PACKING_ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_wrap")
@@ -479,8 +486,7 @@ def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:
     target = node.pop("_target_", None)
     if target is not None:
         # Checked on the dotted name first: nothing outside this package is imported for a dataloader node.
-        own = isinstance(target, str) and target.startswith("zephon_loader.")
-        built = resolve_target(target) if own else None
+        built = resolve_target(target) if names_this_package(target) else None
         if not (isinstance(built, type) and issubclass(built, cls)):
             raise ValueError(
                 f"{where}._target_: got {target!r}, expected {getattr(cls, 'YAML_TARGET', cls.__name__)} "
