@@ -71,7 +71,7 @@ _EXPORTS: dict[str, str] = {
     "postprocess_output_for_attn": "zephon_loader.backends",
     "preprocess_args_and_kwargs_for_attn": "zephon_loader.backends",
     # image-text loader
-    "ImageLoader": "zephon_loader.build",
+    "ImageLoader": "zephon_loader.loader",
     "build_image_loader": "zephon_loader.build",
     "ImageLoaderConfig": "zephon_loader.config.image",
     "ZephonVLMDataloaderConfig": "zephon_loader.integrations.recipe",
@@ -113,10 +113,10 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from zephon_loader.build import build_text_loader
     from zephon_loader.config import TextLoaderConfig, instantiate, load_yaml, read_loader_config
     from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch
-    from zephon_loader.build import ImageLoader, build_image_loader
+    from zephon_loader.build import build_image_loader
     from zephon_loader.config.image import ImageLoaderConfig
     from zephon_loader.integrations.recipe import ZephonVLMDataloaderConfig
-    from zephon_loader.loader import ZephonLoader
+    from zephon_loader.loader import ImageLoader, ZephonLoader
     from zephon_loader.packing import build_packed_sequence_metadata, flatten_packed_sequence_metadata
     from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackedSequenceContract, PackingContract, contract_for_attention
     from zephon_loader.pipeline.text import build_pipeline

@@ -18,43 +18,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
 
-from zephon_loader import fields as F
 from zephon_loader.config import ImageLoaderConfig, LoaderConfig, TextLoaderConfig, read_loader_config
 from zephon_loader.contract import PackingContract, validate_packing_contract
 from zephon_loader.finalize import FinalizeSettings
 from zephon_loader.fingerprint import shard_list_fingerprint
-from zephon_loader.loader import ZephonLoader
+from zephon_loader.loader import ImageLoader, ZephonLoader
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.pipeline.text import DataParallel
 from zephon_loader.stages import ImageStage, Stage, TextStage
 from zephon_loader.stats import CountingCollate, LoaderStats
 
-__all__ = ["ImageLoader", "build_image_loader", "build_loader", "build_text_loader", "data_parallel",
+__all__ = ["build_image_loader", "build_loader", "build_text_loader", "data_parallel",
            "epoch_run_id_suffix", "epoch_seed", "resolve_contract", "stream_fingerprint"]
-
-
-class ImageLoader(ZephonLoader):
-    """A :class:`~zephon_loader.loader.ZephonLoader` of image-text batches that knows its processor."""
-
-    def __init__(self, *args: Any, processor: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._processor = processor
-
-    @property
-    def processor(self) -> Any:
-        """The record processor this loader runs (e.g. a :class:`~zephon_loader.processors.Qwen2VLRecordProcessor`)."""
-        return self._processor
-
-    @property
-    def yielded_fields(self) -> tuple[str, ...]:
-        """Names every yielded batch carries; ``pixel_values``/``image_grid_thw`` come only with an image.
-
-        Under the ``hf`` contract no flash kwargs: a Hugging Face VLM hands its kwargs to its vision tower too.
-        """
-        names = self.settings.yielded_fields
-        if self.settings.packed_mask_type == "position_ids":
-            names = tuple(name for name in names if name not in F.FLASH_KWARGS)
-        return names + F.IMAGE_ALWAYS
 
 
 def build_loader(
@@ -99,12 +74,6 @@ def build_loader(
     eligibility = stage.attention_eligibility
     settings = finalize(attention_eligibility=eligibility)
     dp = data_parallel(cfg, dp_rank, dp_world_size, dp_group)
-    import torch.distributed as dist
-
-    # Coordinates defaulted to one rank only because no process group (nor launcher) said otherwise yet:
-    # checked again at iter().
-    single_rank_by_default = (dp_rank is None and dp_group is None and dp.size == 1
-                              and not (dist.is_available() and dist.is_initialized()))
 
     owned: list[str] = []
     try:
@@ -125,12 +94,10 @@ def build_loader(
                                     run_id_suffix=epoch_run_id_suffix(epoch)).pipeline
 
     fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, stage.micro_batch_size, stage.fingerprint(built))
-    extra = {"processor": stage.processor} if isinstance(stage, ImageStage) else {}
-    kind = ImageLoader if isinstance(stage, ImageStage) else ZephonLoader
     if loader_class is None:
-        loader_class = kind
-    elif not (isinstance(loader_class, type) and issubclass(loader_class, kind)):
-        raise TypeError(f"loader_class: got {loader_class!r}, expected a subclass of {kind.__name__}")
+        loader_class = stage.loader_class
+    elif not (isinstance(loader_class, type) and issubclass(loader_class, stage.loader_class)):
+        raise TypeError(f"loader_class: got {loader_class!r}, expected a subclass of {stage.loader_class.__name__}")
     return loader_class(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(stage.collate(built)),
@@ -141,8 +108,8 @@ def build_loader(
         pin_memory=pin_memory,
         on_close=partial(_remove, owned),
         stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons=stage.drop_reasons()),
-        single_rank_by_default=single_rank_by_default,
-        **extra,
+        single_rank_by_default=dp.defaulted,
+        **stage.loader_kwargs(),
     )
 
 
@@ -352,6 +319,7 @@ def data_parallel(
     import torch.distributed as dist
 
     configured = cfg.distributed
+    explicit = dp_rank is not None
     initialized = dist.is_available() and dist.is_initialized()
     launched = None if initialized else launcher_coordinates()
     if dp_group is not None:
@@ -369,7 +337,11 @@ def data_parallel(
     # Zephon's default run id is derived from the pipeline, which names per-process folders (the
     # saved tokenizer): ranks would not meet at the first checkpoint. Derive one from the config.
     run_id = f"zephon_loader-{_config_digest(cfg)}" if configured.run_id is None and dp_world_size > 1 else None
-    dp = DataParallel(dp_rank, dp_world_size, aggregate_store=store, run_id=run_id)  # type: ignore[arg-type]
+    # One rank only because nothing (arguments, group, process group, launcher) said otherwise: the loader
+    # refuses to run if a process group of several ranks appears later.
+    defaulted = dp_group is None and not initialized and launched is None and not explicit
+    dp = DataParallel(dp_rank, dp_world_size, aggregate_store=store, run_id=run_id,  # type: ignore[arg-type]
+                      defaulted=defaulted)
     replicas = cfg.distributed.canonical_replicas
     if replicas is not None and replicas % dp.size:
         raise ValueError(

@@ -35,7 +35,7 @@ from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.state import STATE_FORMAT, LoaderState
 from zephon_loader.stats import LoaderStats
 
-__all__ = ["STATE_FORMAT", "EpochHook", "ZephonLoader"]
+__all__ = ["STATE_FORMAT", "EpochHook", "ImageLoader", "ZephonLoader"]
 
 
 class ZephonLoader:
@@ -444,6 +444,30 @@ class ZephonLoader:
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("ZephonLoader is closed; build a new loader")
+
+
+class ImageLoader(ZephonLoader):
+    """A :class:`~zephon_loader.loader.ZephonLoader` of image-text batches that knows its processor."""
+
+    def __init__(self, *args: Any, processor: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._processor = processor
+
+    @property
+    def processor(self) -> Any:
+        """The record processor this loader runs (e.g. a :class:`~zephon_loader.processors.Qwen2VLRecordProcessor`)."""
+        return self._processor
+
+    @property
+    def yielded_fields(self) -> tuple[str, ...]:
+        """Names every yielded batch carries; ``pixel_values``/``image_grid_thw`` come only with an image.
+
+        Under the ``hf`` contract no flash kwargs: a Hugging Face VLM hands its kwargs to its vision tower too.
+        """
+        names = self.settings.yielded_fields
+        if self.settings.packed_mask_type == "position_ids":
+            names = tuple(name for name in names if name not in F.FLASH_KWARGS)
+        return names + F.IMAGE_ALWAYS
 
 
 class EpochHook:

@@ -35,6 +35,7 @@ from zephon_loader.config import ImageLoaderConfig, ProcessorConfig, ProcessorTa
 from zephon_loader.config.reader import refuse_standard_library_target
 from zephon_loader.contract import PackingContract
 from zephon_loader.fingerprint import tokenizer_fingerprint
+from zephon_loader.loader import ImageLoader, ZephonLoader
 from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.pipeline.image_records import IMAGE_REASONS
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
@@ -47,6 +48,11 @@ class Stage(Protocol):
 
     #: Prefix of the loader's work folder in the temp dir (drop log, saved tokenizer).
     work_prefix: str
+    #: The loader class this kind builds (a caller's ``loader_class`` must subclass it).
+    loader_class: type[ZephonLoader]
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :attr:`loader_class` beyond :class:`~zephon_loader.loader.ZephonLoader`'s."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -85,6 +91,7 @@ class TextStage:
     """
 
     work_prefix = "zephon_loader_pipeline_"
+    loader_class = ZephonLoader
 
     def __init__(self, cfg: TextLoaderConfig, tokenizer: Any = None) -> None:
         self.cfg = cfg
@@ -142,6 +149,9 @@ class TextStage:
     def drop_reasons(self) -> dict[str, str] | None:
         return None
 
+    def loader_kwargs(self) -> dict[str, Any]:
+        return {}
+
 
 class ImageStage:
     """Image-text records: decoded and processed in Zephon's workers, packed whole with ``pack_sequences(S)``.
@@ -158,6 +168,7 @@ class ImageStage:
     """
 
     work_prefix = "zephon_loader_image_pipeline_"
+    loader_class = ImageLoader
 
     def __init__(self, cfg: ImageLoaderConfig, *, processor: Any = None,
                  get_rope_index: Callable[..., Any] | None = None, micro_batch_size: int | None = None,
@@ -219,6 +230,9 @@ class ImageStage:
     def drop_reasons(self) -> dict[str, str] | None:
         return {**IMAGE_REASONS,
                 LONGER_THAN_ROW: "longer than a row: image-text records are never split (packing.oversized)"}
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        return {"processor": self.processor}
 
 
 # ----------------------------------------------------------------------------- text: the recipe's tokenizer

@@ -62,7 +62,7 @@ from typing import Any, Callable
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from zephon_loader.build import ImageLoader, build_image_loader, build_text_loader
+from zephon_loader.build import build_image_loader, build_text_loader
 from zephon_loader.config import (
     DistributedConfig,
     ImageLoaderConfig,
@@ -72,7 +72,7 @@ from zephon_loader.config import (
     TextLoaderConfig,
 )
 from zephon_loader.contract import contract_for_attention, validate_packing_contract
-from zephon_loader.loader import ZephonLoader
+from zephon_loader.loader import ImageLoader, ZephonLoader
 
 __all__ = ["ImageLoaderBuild", "RecipeImageLoader", "RecipeLoader", "ZephonDataloaderConfig", "ZephonVLMDataloaderConfig"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,15 @@ class DataParallel:
         aggregate_store: Overrides ``distributed.aggregate_store`` (the builder
             sets ``torch://`` when it took the coordinates from torch.distributed).
         run_id: Overrides ``distributed.run_id``.
+        defaulted: One rank only because nothing said otherwise (no coordinates,
+            group, process group or launcher environment): not part of equality.
     """
 
     rank: int = 0
     size: int = 1
     aggregate_store: str | None = None
     run_id: str | None = None
+    defaulted: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, value, low in (("dp_world_size", self.size, 1), ("dp_rank", self.rank, 0)):
