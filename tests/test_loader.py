@@ -151,18 +151,27 @@ def test_resume_is_exact(sources, tokenizer_dir, read_ahead, codec):
 
 
 def test_checkpoint_is_called_only_for_state_dict(sources, tokenizer_dir, monkeypatch):
+    """Zephon's checkpoint (a collective across ranks) runs in state_dict() only, never per batch."""
     import zephon
+
+    from zephon_loader.nodes import source as source_module
 
     cfg = config(sources, tokenizer_dir, read_ahead=2)
     calls = []
     original = zephon.Pipeline.checkpoint
+    original_at = source_module.checkpoint_at
 
     def spy(self):
         calls.append(1)
         return original(self)
 
+    def spy_at(*args, **kwargs):
+        calls.append(1)
+        return original_at(*args, **kwargs)
+
     # On the class: the pass after an exhausted one reads the next epoch, on a new pipeline.
     monkeypatch.setattr(zephon.Pipeline, "checkpoint", spy)
+    monkeypatch.setattr(source_module, "checkpoint_at", spy_at)
     with build_text_loader(cfg) as loader:
         batches = collect(loader)
         assert len(batches) > 5 and calls == []
@@ -196,8 +205,11 @@ def test_bad_states_are_refused(sources, tokenizer_dir):
         with pytest.raises(ValueError, match="state_dict.format"):
             loader.load_state_dict({**state, "format": "other"})
         corrupt = json.loads(json.dumps(state))
-        corrupt["zephon_checkpoint"] = None
+        del corrupt["zephon_checkpoint"]
         with pytest.raises(ValueError, match="no Zephon checkpoint"):
+            loader.load_state_dict(corrupt)
+        corrupt["zephon_checkpoint"] = [1]
+        with pytest.raises(ValueError, match="zephon_checkpoint: got list"):
             loader.load_state_dict(corrupt)
         broken = json.loads(json.dumps(state))
         broken["zephon_checkpoint"] = {"version": 2}

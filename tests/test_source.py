@@ -241,16 +241,19 @@ def test_chunk_size_is_chosen_to_fit(tmp_path, tokenizer_dir):
 # ----------------------------------------------------------------------------- node contract
 
 
-def test_checkpoint_only_when_state_is_asked(jsonl_sources, tokenizer_dir, reference):
+def test_checkpoint_only_when_state_is_asked(jsonl_sources, tokenizer_dir, reference, monkeypatch):
+    """Zephon's checkpoint of a position (a collective across ranks) runs only when the state is asked for."""
+    from zephon_loader.nodes import source as source_module
+
     pipeline = text_pipeline(jsonl_sources, tokenizer_dir)
     calls = []
-    real = pipeline.checkpoint
+    real = source_module.checkpoint_at
 
-    def spy():
+    def spy(*args, **kwargs):
         calls.append(1)
-        return real()
+        return real(*args, **kwargs)
 
-    pipeline.checkpoint = spy  # instance attribute shadows the method
+    monkeypatch.setattr(source_module, "checkpoint_at", spy)
     loader = Loader(ZephonSource(pipeline))
     seen = [signature(b) for b in loader]
     assert seen == reference["first_fit"]
@@ -550,3 +553,25 @@ def test_sources_as_mappings(base_keys, tmp_path):
 )
 def test_config_refuses_bad_keys(base_keys, changes, exc, match):
     _config_refuses(exc, match, _with(base_keys, **changes))
+
+
+def test_a_local_position_does_not_change_as_the_engine_moves_on(jsonl_sources, tokenizer_dir):
+    """``zephon_compat.local_position`` keeps Zephon's shard without a copy: Zephon must build it afresh."""
+    from zephon_loader.zephon_compat import local_position
+
+    pipeline = text_pipeline(jsonl_sources, tokenizer_dir)
+    source = ZephonSource(pipeline)
+    source.reset(None)
+    next(source)
+    shards = []
+    for _ in range(6):
+        local = local_position(pipeline)
+        shards.append((local, json.dumps(local, sort_keys=True, default=repr)))
+        try:
+            next(source)
+        except StopIteration:
+            break
+    assert len(shards) > 2
+    assert [json.dumps(local, sort_keys=True, default=repr) for local, _ in shards] == [text for _, text in shards]
+    assert len({text for _, text in shards}) == len(shards), "the shard moves with the stream"
+    source.close()

@@ -11,10 +11,10 @@ The ``torchdata.nodes`` graph, one direction::
   (:class:`~zephon_loader.finalize.final_map.FinalMap`: finalize, the recipe's
   ``collate_wrapper``, pinning when CUDA is available); ``read_ahead``
   batches ahead in a background thread, or inline when ``read_ahead`` is 0.
-* The state is the loader's own, the same whatever ``read_ahead`` is: a
-  :class:`~zephon_loader.state.LoaderState` (its ``to_dict()`` is what
-  :meth:`ZephonLoader.state_dict` returns); batches are re-routed by lane on an
-  elastic resume (:mod:`zephon_loader.nodes.handoff`).
+* The state is the loader's own, the same whatever ``read_ahead`` is and on
+  every rank: a :class:`~zephon_loader.state.LoaderState` (its ``to_dict()``
+  is what :meth:`ZephonLoader.state_dict` returns), Zephon's checkpoint cut
+  before the read-ahead plus per-lane accounting; no batch travels in it.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import adapt_model_inputs, join_subdocuments
 from zephon_loader.finalize.final_map import FinalizeSettings, FinalMap
-from zephon_loader.nodes.handoff import LaneHandoff
+from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.state import STATE_FORMAT, LoaderState
 from zephon_loader.stats import LoaderStats
 
 __all__ = ["STATE_FORMAT", "EpochHook", "ImageLoader", "ZephonLoader"]
+
+#: The key the per-lane accounting travels under in the round of Zephon's checkpoint.
+STATS_ROUND_KEY = "zephon_loader.stats"
 
 
 class ZephonLoader:
@@ -75,18 +78,19 @@ class ZephonLoader:
       returns it) or as not (a resume yields it again), never half. Before
       the first ``iter()`` it is the start of the stream; after
       ``load_state_dict`` and before ``iter()`` it is the loaded state.
-    * In multi-rank runs ``state_dict()`` is a collective (Zephon's
-      checkpoint, then the gather of read-ahead batches): every DP rank must
-      call it at the same step. Elastic resume at another DP size
-      (``canonical_replicas`` divisible by both) is exact with read-ahead on:
-      every rank's state carries every rank's pulled-but-undelivered batches
-      tagged by Zephon lane, and each resumed rank delivers those of the
-      lanes it owns now before continuing Zephon's stream (within the window
-      open at the state Zephon may permute the order; no row is lost or
-      repeated). Both halves of a split rank load the old rank's state.
+    * In multi-rank runs ``state_dict()`` is a collective (one round of
+      Zephon's checkpoint, which also merges the per-lane accounting): every
+      DP rank must call it at the same step, and every rank gets the same
+      state. Its size does not grow with the number of ranks: it holds no
+      batch. Elastic resume at another DP size (``canonical_replicas``
+      divisible by both) is exact with read-ahead on: the state is Zephon's
+      checkpoint as of the batches the training loop took, so Zephon
+      re-produces the ones read ahead, on whichever rank owns their lane now
+      (within the window open at the state Zephon may permute the order; no
+      row is lost or repeated). Any rank's state resumes any rank.
     * ``load_state_dict(state)``: checked now (format, configuration
-      fingerprint, Zephon's schema and lane count, the buffered batches);
-      applied at the next ``iter()``.
+      fingerprint, Zephon's schema and lane count, the accounting); applied
+      at the next ``iter()``. Its cost does not depend on the number of ranks.
     * ``close()`` / ``with``: stops the read-ahead thread and Zephon's
       workers, then runs ``on_close``. A loader dropped without ``close()``
       does the same when it is garbage-collected (``weakref.finalize``).
@@ -145,7 +149,9 @@ class ZephonLoader:
             pin_memory = torch.cuda.is_available()
         final_map = FinalMap(settings, collate_wrapper, pin_memory=bool(pin_memory))
         self._read_ahead = ReadAhead(source, read_ahead, final_map, collate=collate_fn, retain=self.RETAINED_BATCHES)
-        self._handoff = LaneHandoff(source.pipeline)
+        self._lanes = Lanes(source.pipeline)
+        if stats is not None:  # a rank reports the lanes it owns (all of them, after an elastic resume too)
+            stats.owned_lanes = self._lanes.owned_lanes()
         # Lock order: _consume_lock -> _state_lock -> (ReadAhead's own locks).
         self._consume_lock = threading.RLock()  # one next() at a time; iter()/preview()/close() wait for it
         self._state_lock = threading.RLock()  # state_dict / load_state_dict / iter() / close()
@@ -157,7 +163,7 @@ class ZephonLoader:
         self._consumed: int | None = None  # set_consumed(): batches of this pass the consumer has taken
         self._single_rank_by_default = single_rank_by_default
         # Everything the finalizer touches is passed in: it must not keep the loader alive.
-        self._finalizer = weakref.finalize(self, _release, self._read_ahead, source, self._handoff, on_close)
+        self._finalizer = weakref.finalize(self, _release, self._read_ahead, source, on_close)
 
     #: Delivered batches kept (collated) so that a state can be taken as of that many batches back.
     RETAINED_BATCHES = 1
@@ -200,14 +206,10 @@ class ZephonLoader:
                     self._source.set_epoch(ended_epoch + 1)
                 self._read_ahead.reset(None)
             else:
-                owned = self._handoff.owned_lanes()
-                source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint}
+                source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip}
                 if pending.epoch:
                     source_state[ZephonSource.EPOCH_KEY] = pending.epoch
-                self._read_ahead.reset({
-                    ReadAhead.SOURCE_KEY: source_state,
-                    ReadAhead.BUFFERED_KEY: [e for e in pending.buffered if e[ReadAhead.LANE_KEY] in owned],
-                })
+                self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
             self._exhausted = self._epoch_chosen = False
             self._consumed = None
             self._started = True
@@ -246,12 +248,12 @@ class ZephonLoader:
     @property
     def dp_rank(self) -> int:
         """This loader's data-parallel rank (its Zephon lanes)."""
-        return self._handoff.data_parallel[0]
+        return self._lanes.data_parallel[0]
 
     @property
     def dp_world_size(self) -> int:
         """The data-parallel size the loader was built for."""
-        return self._handoff.data_parallel[1]
+        return self._lanes.data_parallel[1]
 
     @property
     def epoch(self) -> int:
@@ -281,7 +283,8 @@ class ZephonLoader:
         across ``state_dict``/``load_state_dict``; drops count records Zephon's
         workers have read (bad records under ``on_bad_record: skip``, records
         longer than a row under ``first_fit``/``best_fit``). In multi-rank runs,
-        each rank reports its own.
+        each rank reports the Zephon lanes it owns; the ranks' reports add up
+        to the job's, also after an elastic resume at another DP size.
         """
         with self._state_lock:
             if self._stats is None:
@@ -374,21 +377,21 @@ class ZephonLoader:
             if self._started:
                 if self._consumed is not None and self._stats is not None:
                     lag = self._stats.batches - self._consumed
-                node = self._read_ahead.get_state(lag)
-                source_state = node[ReadAhead.SOURCE_KEY]
-                local = node[ReadAhead.BUFFERED_KEY]
+                anchor, skip, handed_back = self._read_ahead.position(lag)
             else:  # start of the stream (no pass yet, or preview() restarted it)
-                source_state = self._source.state_dict()
-                local = []
-            checkpoint = source_state[ZephonSource.STATE_KEY]
-            handed_back = [entry[ReadAhead.BATCH_KEY].get(F.SOURCE_COUNTS) or [] for entry in local[:lag]]
+                anchor, skip, handed_back = self._source.position(), {}, []
+            extra = None
+            if self._stats is not None:
+                counts = [raw.get(F.SOURCE_COUNTS) for raw in handed_back]
+                extra = (STATS_ROUND_KEY, self._stats.round_value([c for c in counts if c]), LoaderStats.merge)
+            source_state, stats = self._source.state_at(anchor, skip, extra)
             return LoaderState(
                 fingerprint=copy.deepcopy(self.fingerprint),
                 epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
                 pass_ended=self._exhausted and lag == 0,
-                zephon_checkpoint=checkpoint,
-                buffered=self._handoff.gather(checkpoint, local),
-                stats=self._stats.state_dict(handed_back) if self._stats is not None else None,
+                zephon_checkpoint=source_state[ZephonSource.STATE_KEY],
+                skip=source_state.get(ZephonSource.SKIP_KEY, {}),
+                stats=stats,
             ).to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -402,14 +405,14 @@ class ZephonLoader:
             ValueError: Empty, another or a retired format, a different
                 configuration (the differing keys are named), a corrupt Zephon
                 checkpoint or one with another lane count, or malformed
-                buffered batches. Never a silent fresh start.
+                accounting. Never a silent fresh start.
         """
         with self._state_lock:
             self._check_open()
             self._pending = LoaderState.from_dict(
                 state_dict,
                 fingerprint=self.fingerprint,
-                canonical_replicas=self._handoff.canonical_replicas,
+                canonical_replicas=self._lanes.canonical_replicas,
                 check_checkpoint=lambda checkpoint: self._source.validate_state({ZephonSource.STATE_KEY: checkpoint}),
                 stats=self._stats,
             )
@@ -495,7 +498,7 @@ class _Pass(Iterator[dict[str, Any]]):
         return self._loader._next(self._generation)
 
 
-def _release(read_ahead: ReadAhead, source: ZephonSource, handoff: LaneHandoff, on_close: Callable[[], None] | None) -> None:
+def _release(read_ahead: ReadAhead, source: ZephonSource, on_close: Callable[[], None] | None) -> None:
     """Close what a loader owns; run by ``close()`` or when the loader is collected.
 
     Garbage collection can run it in any thread, the read-ahead thread
@@ -504,13 +507,12 @@ def _release(read_ahead: ReadAhead, source: ZephonSource, handoff: LaneHandoff, 
     """
     if read_ahead.in_reader_thread():
         threading.Thread(
-            target=_release, args=(read_ahead, source, handoff, on_close), name="zephon-loader-release", daemon=True
+            target=_release, args=(read_ahead, source, on_close), name="zephon-loader-release", daemon=True
         ).start()
         return
     try:
         read_ahead.close()
         source.close()
-        handoff.close()
     finally:
         if on_close is not None:
             on_close()

@@ -6,14 +6,19 @@ returns ``LoaderState.to_dict()`` and
 ``LoaderState.from_dict(...)`` until the next ``iter()``. The dict is JSON- and
 pickle-safe (plain dicts, lists, ints, bools, strings)::
 
-    {"format": "zephon_loader.state/2",
+    {"format": "zephon_loader.state/3",
      "fingerprint": {...},                 # what fixes the stream (the builders)
      "epoch": int,                         # the epoch of the checkpoint (absent: 0)
      "pass_ended": bool,                   # the epoch's pass was read to its end (absent: False)
-     "zephon_checkpoint": {...},           # pipeline.checkpoint(): every lane
-     "buffered": [{"lane": int,            # pulled from Zephon, not yet delivered,
-                   "batch": {...}}, ...],  # collated (readahead.encode_batch), in order
-     "stats": {...} | None}                # LoaderStats.state_dict(); None without accounting
+     "zephon_checkpoint": {...} | None,    # Zephon's checkpoint of every lane at a point before
+                                           # the read-ahead; None: the start of the epoch
+     "skip": {"<lane>": int},              # batches of each lane after that checkpoint that were
+                                           # already delivered (a resume drops them)
+     "stats": {...} | None}                # LoaderStats.state_dict(), every lane; None without accounting
+
+The state holds no batch and nothing tied to a rank: it is the same on every
+rank of a job, and its size does not depend on the number of ranks (beyond
+Zephon's own per-lane part).
 
 What a check needs from the loader (its fingerprint, its lane count, its
 source's checkpoint check, its accounting) is passed to
@@ -29,17 +34,18 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from zephon_loader import fields as F
-from zephon_loader.attention import check_training_batch
-from zephon_loader.nodes.readahead import ReadAhead, decode_batch
 from zephon_loader.stats import LoaderStats
 
 __all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState"]
 
 #: Version tag of a saved state (its ``format``); bumped on incompatible changes.
-STATE_FORMAT = "zephon_loader.state/2"
+STATE_FORMAT = "zephon_loader.state/3"
 #: Earlier formats, with why they cannot be resumed.
 RETIRED_FORMATS = {
+    "zephon_loader.state/2": (
+        "it was saved by an earlier zephon_loader whose state carried every rank's read-ahead batches and "
+        "per-rank counts; this version cuts the state before the read-ahead and counts per lane"
+    ),
     "zephon_loader.state/1": (
         "it was saved by an earlier zephon_loader whose state nested torchdata's node states, so its layout "
         "depended on read_ahead and it did not carry the lane of read-ahead batches"
@@ -60,20 +66,23 @@ class LoaderState:
         epoch: The epoch of ``zephon_checkpoint`` (``>= 0``).
         pass_ended: That epoch's pass was read to its end: the state resumes at
             the start of the next epoch.
-        zephon_checkpoint: ``pipeline.checkpoint()``, Zephon's merged state of
-            every lane (the same on every rank).
-        buffered: Batches pulled from Zephon and not yet delivered, in delivery
-            order, every rank's: ``{"lane": int, "batch": <encode_batch>}``.
-        stats: :meth:`LoaderStats.state_dict` of the delivered counts, or
-            ``None`` for a loader built without accounting.
+        zephon_checkpoint: Zephon's merged checkpoint of every lane (the same
+            on every rank) at the position before the first batch the training
+            loop has not taken; ``None``: the start of the epoch.
+        skip: Lane (as a string) -> batches of that lane after
+            ``zephon_checkpoint`` the training loop has already taken: a
+            resume drops them (the checkpoint is an anchor the read-ahead took
+            at most a few batches earlier, not a copy of the batches).
+        stats: :meth:`LoaderStats.state_dict` of the delivered counts, every
+            lane's, or ``None`` for a loader built without accounting.
     """
 
     format: str = STATE_FORMAT
     fingerprint: dict[str, Any]
     epoch: int
     pass_ended: bool
-    zephon_checkpoint: dict[str, Any]
-    buffered: list[dict[str, Any]]
+    zephon_checkpoint: dict[str, Any] | None
+    skip: dict[str, int]
     stats: dict[str, Any] | None
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,10 +104,9 @@ class LoaderState:
         Checked in this order: a non-empty mapping; ``format`` (a retired one
         says why it cannot be resumed); ``fingerprint`` (the differing keys are
         named, at most 6); ``zephon_checkpoint`` (a mapping that Zephon's
-        schema accepts, with ``canonical_replicas`` lanes); ``epoch``;
-        ``pass_ended``; ``buffered`` (a list of entries whose lane is in
-        ``[0, canonical_replicas)`` and whose batch decodes and holds what
-        collate guarantees, since the final map trusts it); ``stats``.
+        schema accepts, with ``canonical_replicas`` lanes, or ``None``);
+        ``epoch``; ``pass_ended``; ``skip`` (lanes in range, counts >= 0);
+        ``stats``.
 
         Args:
             state: What :meth:`to_dict` returned, possibly after a JSON or
@@ -115,8 +123,8 @@ class LoaderState:
             TypeError: Not a mapping.
             ValueError: Empty, another or a retired format, another
                 fingerprint, a corrupt Zephon checkpoint or one with another
-                lane count, a malformed epoch, pass_ended, buffered batch or
-                stats. Each message names the field.
+                lane count, a malformed epoch, pass_ended or stats. Each
+                message names the field.
         """
         if not isinstance(state, Mapping):
             raise TypeError(
@@ -147,17 +155,23 @@ class LoaderState:
                 f"state_dict.fingerprint: the state was saved by a loader with a different configuration ({details}); "
                 "resume with the configuration it was saved with"
             )
+        if "zephon_checkpoint" not in state:
+            raise ValueError(
+                "state_dict.zephon_checkpoint: missing, no Zephon checkpoint found; expected the dict returned by "
+                "ZephonLoader.state_dict() (the state is truncated or corrupt)"
+            )
         checkpoint = state.get("zephon_checkpoint")
-        if not isinstance(checkpoint, Mapping):
+        if checkpoint is not None and not isinstance(checkpoint, Mapping):
             raise ValueError(
                 f"state_dict.zephon_checkpoint: got {type(checkpoint).__name__}, no Zephon checkpoint found; expected "
                 "the dict returned by ZephonLoader.state_dict() (the state is truncated or corrupt)"
             )
         try:
-            check_checkpoint(checkpoint)
+            if checkpoint is not None:
+                check_checkpoint(checkpoint)
         except Exception as error:  # Zephon raises several types for a bad schema
             raise ValueError(f"state_dict: the Zephon checkpoint inside is corrupt or incompatible: {error}") from error
-        world = checkpoint.get("world")
+        world = checkpoint.get("world") if checkpoint is not None else None
         saved_lanes = world.get("canonical_replicas") if isinstance(world, Mapping) else None
         if saved_lanes is not None and saved_lanes != canonical_replicas:
             raise ValueError(
@@ -172,39 +186,24 @@ class LoaderState:
         if not isinstance(pass_ended, bool):
             raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
                              "was read to its end)")
-        buffered = state.get("buffered")
-        if not isinstance(buffered, list):
-            raise ValueError(
-                f"state_dict.buffered: got {type(buffered).__name__}, expected the list of read-ahead batches "
-                "(empty without read-ahead) returned by ZephonLoader.state_dict()"
-            )
-        for index, entry in enumerate(buffered):
-            _check_buffered_entry(f"state_dict.buffered[{index}]", entry, canonical_replicas)
+        skip = state.get("skip", {})
+        if not isinstance(skip, Mapping):
+            raise ValueError(f"state_dict.skip: got {type(skip).__name__}, expected {{'<lane>': int >= 0}} (batches "
+                             "of each lane already delivered after the checkpoint)")
+        for lane, count in skip.items():
+            if not (isinstance(lane, str) and lane.isdigit() and int(lane) < canonical_replicas):
+                raise ValueError(f"state_dict.skip: lane {lane!r}, expected a lane id in [0, {canonical_replicas})")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"state_dict.skip[{lane!r}]: got {count!r}, expected an int >= 0")
         return cls(
             format=STATE_FORMAT,
             fingerprint=copy.deepcopy(dict(saved)),
             epoch=epoch,
             pass_ended=pass_ended,
-            zephon_checkpoint=copy.deepcopy(dict(checkpoint)),
-            buffered=copy.deepcopy(buffered),
+            zephon_checkpoint=copy.deepcopy(dict(checkpoint)) if checkpoint is not None else None,
+            skip=dict(skip),
             stats=_checked_stats(state.get("stats"), stats),
         )
-
-
-def _check_buffered_entry(where: str, entry: Any, lanes: int) -> None:
-    """Raise ``ValueError`` (naming ``where``) unless ``entry`` is ``{"lane": <lane id>, "batch": <collated batch>}``."""
-    lane = entry.get(ReadAhead.LANE_KEY) if isinstance(entry, Mapping) else None
-    if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < lanes:
-        raise ValueError(f"{where}.lane: got {lane!r}, expected a lane id in [0, {lanes})")
-    batch = entry.get(ReadAhead.BATCH_KEY)
-    if not isinstance(batch, Mapping):
-        raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
-    try:
-        # The final map trusts what collate guarantees; a batch from a file must earn that trust here.
-        decoded = decode_batch(batch)
-        check_training_batch(decoded, decoded.get(F.ATTENTION_ELIGIBILITY))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{where}.batch: {error}") from error
 
 
 def _checked_stats(saved: Any, stats: LoaderStats | None) -> dict[str, Any] | None:

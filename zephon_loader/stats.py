@@ -6,6 +6,11 @@
   ``component_token_counts``), when a batch reaches the training loop: batches
   read ahead but not yet yielded are not counted, and the counts travel in the
   loader's state, so a resumed run continues them exactly.
+* Counts are kept **per Zephon lane** (a batch comes from one lane), and a
+  rank reports the lanes it owns. A state carries every lane's counts (merged
+  across ranks in the round of Zephon's checkpoint), so after an elastic
+  resume at another DP size each rank continues the lanes it owns now: the
+  ranks' reports still add up to what was delivered.
 * **Dropped** records come from the :class:`~zephon_loader.pipeline.provenance.DropLog`
   the record operators append to (skipped bad records by reason; records longer
   than a row under ``first_fit``/``best_fit``). Each is keyed by its position in
@@ -21,7 +26,7 @@ reads per row, no tensor work); :class:`LoaderStats` lives in the loader.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from zephon_loader import fields as F
@@ -49,37 +54,44 @@ def batch_source_counts(sample_batch: Any) -> list[list[int]]:
 
 
 class CountingCollate:
-    """``collate`` plus the batch's :func:`batch_source_counts` under ``fields.SOURCE_COUNTS`` (picklable)."""
+    """``collate`` plus ``[lane, batch_source_counts(batch)]`` under ``fields.SOURCE_COUNTS`` (picklable)."""
 
     def __init__(self, collate_fn: Any) -> None:
         self.collate_fn = collate_fn
 
     def __call__(self, sample_batch: Any) -> dict[str, Any]:
+        from zephon_loader.nodes.readahead import lane_of
+
         out = self.collate_fn(sample_batch)
-        out[F.SOURCE_COUNTS] = batch_source_counts(sample_batch)
+        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), batch_source_counts(sample_batch)]
         return out
 
 
 class LoaderStats:
-    """Delivered and dropped documents/tokens per source (see the module docstring).
+    """Delivered and dropped documents/tokens per source, kept per Zephon lane (see the module docstring).
 
     Args:
         source_names: Zephon component id -> source name (the mixture's dataset order).
         drop_log: The file the record operators append drop events to.
         reasons: Drop reason -> meaning, reported with the drops (default: the text checks'
             :data:`~zephon_loader.pipeline.records.REASONS` and ``longer_than_row``).
+        owned_lanes: The lanes this rank reads (what :meth:`snapshot` adds up); ``None``: every lane.
+
+    State (:meth:`state_dict`): ``{"lanes": {"<lane>": {"batches": int,
+    "delivered": {source: [documents, tokens]}}}, "drops": [event, ...]}``.
     """
 
-    STATE_KEYS = ("delivered", "drops")
+    STATE_KEYS = ("lanes", "drops")
 
     def __init__(self, source_names: Sequence[str], drop_log: DropLog,
-                 reasons: Mapping[str, str] | None = None) -> None:
+                 reasons: Mapping[str, str] | None = None, owned_lanes: Iterable[int] | None = None) -> None:
         self.source_names = list(source_names)
         self.drop_log = drop_log
         self.reasons = dict(reasons) if reasons is not None else {
             **REASONS, LONGER_THAN_ROW: "longer than a row: first_fit/best_fit cannot split it"}
-        self._delivered: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
-        self._batches = 0
+        self.owned_lanes = frozenset(owned_lanes) if owned_lanes is not None else None
+        #: lane -> {"batches": int, "delivered": {source: [documents, tokens]}}
+        self._lanes: dict[int, dict[str, Any]] = {}
         #: Drop events by cursor key (merged from the log and from a loaded state).
         self._drops: dict[str, dict[str, Any]] = {}
 
@@ -90,17 +102,21 @@ class LoaderStats:
         Drop events stay: they are keyed by stream position (Zephon's cursor),
         and the new pass reads the same records at the same positions again.
         """
-        self._delivered = {name: [0, 0] for name in self.source_names}
-        self._batches = 0
+        self._lanes = {}
 
-    def add_delivered(self, counts: Sequence[Sequence[int]]) -> None:
-        """Count one yielded batch (``batch_source_counts`` output)."""
-        self._batches += 1
+    def _lane(self, lane: int) -> dict[str, Any]:
+        return self._lanes.setdefault(int(lane), {"batches": 0, "delivered": {}})
+
+    def add_delivered(self, lane_counts: Sequence[Any]) -> None:
+        """Count one yielded batch: ``[lane, batch_source_counts(batch)]`` (what :class:`CountingCollate` adds)."""
+        lane, counts = lane_counts
+        entry = self._lane(lane)
+        entry["batches"] += 1
+        delivered = entry["delivered"]
         for cid, documents, tokens in counts:
-            name = self._name(cid)
-            entry = self._delivered.setdefault(name, [0, 0])
-            entry[0] += int(documents)
-            entry[1] += int(tokens)
+            pair = delivered.setdefault(self._name(cid), [0, 0])
+            pair[0] += int(documents)
+            pair[1] += int(tokens)
 
     def _name(self, cid: int) -> str:
         return self.source_names[cid] if 0 <= cid < len(self.source_names) else f"component {cid}"
@@ -109,49 +125,81 @@ class LoaderStats:
         for event in self.drop_log.read():
             self._drops.setdefault(_event_key(event), event)
 
+    def _owns(self, lane: int) -> bool:
+        return self.owned_lanes is None or lane in self.owned_lanes
+
     # -- state --------------------------------------------------------------------------
     @property
     def batches(self) -> int:
-        """Batches delivered in this pass."""
-        return self._batches
+        """Batches delivered in this pass from the lanes this rank owns."""
+        return sum(entry["batches"] for lane, entry in self._lanes.items() if self._owns(lane))
 
-    def state_dict(self, undelivered: Sequence[Sequence[Sequence[int]]] = ()) -> dict[str, Any]:
-        """JSON-safe counts so far (delivered: exact at the delivered batch; drops: as read).
+    def state_dict(self, undelivered: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
+        """JSON-safe counts of every lane known here (delivered: exact at the delivered batch; drops: as read).
 
         Args:
-            undelivered: :func:`batch_source_counts` of delivered batches the state hands back (a state taken
-                as of some batches back): they are not counted as delivered.
+            undelivered: ``[lane, counts]`` of delivered batches the state hands back (a state taken as of
+                some batches back): they are not counted as delivered.
         """
         self._merge_log()
-        delivered = copy.deepcopy(self._delivered)
-        for counts in undelivered:
+        lanes = copy.deepcopy(self._lanes)
+        for lane, counts in undelivered:
+            entry = lanes[int(lane)]
+            entry["batches"] -= 1
             for cid, documents, tokens in counts:
-                entry = delivered[self._name(cid)]
-                entry[0] -= int(documents)
-                entry[1] -= int(tokens)
+                pair = entry["delivered"][self._name(cid)]
+                pair[0] -= int(documents)
+                pair[1] -= int(tokens)
         return {
-            "batches": self._batches - len(undelivered),
-            "delivered": delivered,
+            "lanes": {str(lane): entry for lane, entry in sorted(lanes.items())},
             "drops": [copy.deepcopy(event) for event in self._drops.values()],
         }
+
+    def round_value(self, undelivered: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
+        """What this rank contributes to a state's round: :meth:`state_dict` and the lanes it owns."""
+        return {"owned": sorted(self.owned_lanes) if self.owned_lanes is not None else None,
+                **self.state_dict(undelivered)}
+
+    @staticmethod
+    def merge(values: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+        """Every rank's :meth:`round_value` (in global-rank order) -> one :meth:`state_dict`, the same on every rank.
+
+        Each lane's counts come from the first rank that owns it (its model-parallel peers count the same
+        batches); a lane no contributor owns keeps the first rank's copy. Drop events are merged by key.
+        """
+        lanes: dict[str, Any] = {}
+        drops: dict[str, Any] = {}
+        present = [value for value in values if value]
+        for value in present:
+            owned = value.get("owned")
+            for lane, entry in value["lanes"].items():
+                if owned is None or int(lane) in owned:
+                    lanes.setdefault(lane, entry)
+        for value in present:
+            for lane, entry in value["lanes"].items():
+                lanes.setdefault(lane, entry)
+            for event in value["drops"]:
+                drops.setdefault(_event_key(event), event)
+        return {"lanes": {lane: lanes[lane] for lane in sorted(lanes, key=int)}, "drops": list(drops.values())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (drop events are merged by key, never double counted)."""
         try:
-            delivered = {str(k): [int(v[0]), int(v[1])] for k, v in state["delivered"].items()}
+            lanes = {}
+            for lane, entry in state["lanes"].items():
+                delivered = {str(k): [int(v[0]), int(v[1])] for k, v in entry["delivered"].items()}
+                lanes[int(lane)] = {"batches": int(entry["batches"]), "delivered": delivered}
             drops = {_event_key(event): dict(event) for event in state["drops"]}
-            batches = int(state["batches"])
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
                              "expected the dict returned by ZephonLoader.state_dict()") from error
-        self._delivered = {name: [0, 0] for name in self.source_names} | delivered
-        self._batches = batches
+        self._lanes = lanes
         self._drops = drops
         self._merge_log()
 
     # -- report -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """The report ``loader.stats()`` returns.
+        """The report ``loader.stats()`` returns: the lanes this rank owns.
 
         ``{"batches": int, "sources": {name: {"delivered": {"documents", "tokens"},
         "dropped": {reason: {"documents", "tokens"}}}}, "dropped": {reason: {"documents",
@@ -159,12 +207,21 @@ class LoaderStats:
         ``tokens`` of a record dropped before tokenization is 0 (unknown).
         """
         self._merge_log()
+        totals: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
+        for lane, entry in self._lanes.items():
+            if self._owns(lane):
+                for name, (docs, toks) in entry["delivered"].items():
+                    pair = totals.setdefault(name, [0, 0])
+                    pair[0] += docs
+                    pair[1] += toks
         sources: dict[str, Any] = {
             name: {"delivered": {"documents": docs, "tokens": toks}, "dropped": {}}
-            for name, (docs, toks) in self._delivered.items()
+            for name, (docs, toks) in totals.items()
         }
         dropped: dict[str, Any] = {}
         for event in sorted(self._drops.values(), key=_event_order):
+            if not self._owns(_event_lane(event)):
+                continue
             reason = str(event.get("reason"))
             tokens = int(event.get("tokens") or 0)
             per_source = sources.setdefault(str(event.get("source")), {
@@ -176,11 +233,16 @@ class LoaderStats:
             total["documents"] += 1
             total["tokens"] += tokens
         return {
-            "batches": self._batches,
+            "batches": self.batches,
             "sources": sources,
             "dropped": dropped,
             "reasons": dict(self.reasons),
         }
+
+
+def _event_lane(event: Mapping[str, Any]) -> int:
+    key = event.get("key") or [0]
+    return int(key[0]) if isinstance(key[0], int) else 0
 
 
 def _event_key(event: Mapping[str, Any]) -> str:

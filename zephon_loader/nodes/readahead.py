@@ -1,88 +1,44 @@
-"""Exact read-ahead over a Zephon source: collate and finalize batches ahead, restorable in any topology.
+"""Exact read-ahead over a Zephon source: collate and finalize batches ahead; the state is cut before them.
 
 :class:`ReadAhead` is the one ``torchdata.nodes`` node between the Zephon
 source and the consumer. It pulls Zephon ``SampleBatch`` es, collates them and
 applies the final map, either inline in the consumer's thread (``depth=0``) or
 up to ``depth`` batches ahead in one background thread.
 
-Why a batch pulled ahead needs a state of its own: Zephon counts a batch as
-delivered when its iterator yields it, so once read-ahead has pulled it,
-``pipeline.checkpoint()`` will never produce it again. Exactness therefore
-needs the batches pulled but not yet delivered inside the state. They are kept
-*collated* (before the final map, which is re-applied on resume) and *tagged
-with their Zephon lane* (``SampleBatch.lane_ids``; Zephon batches within one
-lane), so that after an elastic resume each batch can go to whichever rank owns
-its lane now (see :mod:`zephon_loader.nodes.handoff`):
+Why the state needs care: Zephon counts a batch as delivered when its iterator
+yields it, so once read-ahead has pulled a batch, ``pipeline.checkpoint()``
+now would never produce it again. Instead of carrying the pulled batches in
+the state, the node takes now and then an *anchor*: the source's
+:meth:`~zephon_loader.nodes.source.ZephonSource.position` just before a pull
+(Zephon's local shard, no collective; a few ms, so at most every
+``ANCHOR_COST_RATIO`` times its own cost in wall time: ~2% at most). Each
+pulled batch remembers its anchor and, per lane, how many batches were pulled
+between the anchor and itself. A state is cut before the first batch not yet
+delivered: its anchor's checkpoint plus, per lane, those batches (delivered
+already: a resume drops them again, :class:`~zephon_loader.nodes.source.ZephonSource`
+``"skip"``). Resuming restores Zephon at the anchor, drops the delivered ones
+and produces the rest again, at any data-parallel size (a lane's batches
+follow from its position alone; nothing of the loader's is tied to a rank).
+A resume re-reads at most the batches of one anchor interval.
 
-``state = {"source": <ZephonSource state>, "buffered": [{"lane": int, "batch": <encode_batch>}, ...]}``
-
-The state is the same whatever ``depth`` is (``depth`` is a performance knob,
-not part of the stream): resuming restores the source and delivers the
-buffered batches first, so a state taken after the consumer saw ``k`` batches
-resumes at batch ``k + 1``. The source's state is asked for only when the
-node's state is (never per batch: ``pipeline.checkpoint()`` is a cross-rank
-collective; torchdata's ``Prefetcher`` would call it for every item).
-Buffered batches are plain lists (JSON- and pickle-safe); at most ``depth`` of
-them per rank, plus, in a state taken as of ``lag`` batches back
-(:meth:`ReadAhead.get_state`), the last ``lag <= retain`` delivered ones in front.
+The state is therefore the same whatever ``depth`` is (``depth`` is a
+performance knob, not part of the stream), holds no batch, and a state taken
+after the consumer saw ``k`` batches resumes at batch ``k + 1``. The source's
+state is asked for only when the node's state is (never per batch:
+``pipeline.checkpoint()`` is a cross-rank collective; torchdata's
+``Prefetcher`` would call it for every item). With ``retain``, the last
+delivered batches keep their positions too, so a state can be cut as of
+``lag <= retain`` batches back (consumers that pull ahead of what they trained).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-import torch
 from torchdata.nodes import BaseNode
-
-_TENSOR_TAG = "__tensor__"
-
-
-def encode_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """A JSON-safe copy of a batch of tensors and plain values.
-
-    Tensors become ``{"__tensor__": dtype, "shape": [...], "data": [...]}``.
-
-    Raises:
-        TypeError: A value that is neither a tensor nor a JSON scalar/list.
-    """
-    out: dict[str, Any] = {}
-    for name, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = {
-                _TENSOR_TAG: str(value.dtype).removeprefix("torch."),
-                "shape": list(value.shape),
-                "data": value.reshape(-1).tolist(),
-            }
-        elif value is None or isinstance(value, (bool, int, float, str, list)):
-            out[name] = value
-        else:
-            raise TypeError(
-                f"read-ahead state: field {name!r} holds {type(value).__name__}; expected a tensor or a JSON value"
-            )
-    return out
-
-
-def decode_batch(encoded: Mapping[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`encode_batch`.
-
-    Raises:
-        ValueError: A malformed tensor entry (unknown dtype, data not matching shape).
-    """
-    out: dict[str, Any] = {}
-    for name, value in encoded.items():
-        if isinstance(value, Mapping) and _TENSOR_TAG in value:
-            dtype = getattr(torch, str(value[_TENSOR_TAG]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"read-ahead state: field {name!r} has unknown dtype {value[_TENSOR_TAG]!r}")
-            try:
-                out[name] = torch.tensor(value["data"], dtype=dtype).reshape(value["shape"])
-            except (RuntimeError, KeyError, TypeError) as error:
-                raise ValueError(f"read-ahead state: field {name!r} is malformed ({error})") from error
-        else:
-            out[name] = value
-    return out
 
 
 def lane_of(batch: Any) -> int:
@@ -90,7 +46,7 @@ def lane_of(batch: Any) -> int:
 
     Raises:
         TypeError: ``batch`` carries no ``lane_ids`` (not a Zephon ``SampleBatch``).
-        ValueError: Its rows come from several lanes (no single rank owns it after a topology change).
+        ValueError: Its rows come from several lanes.
     """
     lanes = getattr(batch, "lane_ids", None)
     if not lanes:
@@ -117,12 +73,15 @@ class _Failure:
 
 
 class _Pending:
-    """A pulled batch: its ``lane``, ``raw`` (collated, what the state stores) and, once computed, ``ready``."""
+    """A pulled batch: its ``lane``, its ``anchor`` (a source position before it) and ``skip`` (lane -> batches
+    pulled between the anchor and it), ``raw`` (collated) and, once computed, ``ready``."""
 
-    __slots__ = ("lane", "raw", "ready", "done")
+    __slots__ = ("lane", "anchor", "skip", "raw", "ready", "done")
 
-    def __init__(self, lane: int, raw: Any) -> None:
+    def __init__(self, lane: int, anchor: Any, skip: dict[int, int], raw: Any) -> None:
         self.lane = lane
+        self.anchor = anchor
+        self.skip = skip
         self.raw = raw
         self.ready: Any = None
         self.done = False
@@ -145,25 +104,25 @@ class ReadAhead(BaseNode):
             (``get_state(lag=...)``): for consumers that pull ahead of what
             they trained (Lightning's fetcher pulls one batch ahead).
 
-    State (:meth:`get_state` / :meth:`reset`): ``{"source": <source state>,
-    "buffered": [{"lane": int, "batch": <encode_batch>}, ...]}`` in delivery
-    order, the same for every ``depth``. ``reset(state)`` delivers every
-    buffered batch it is given before the source's next one; the caller picks
-    the lanes it owns (:class:`~zephon_loader.loader.ZephonLoader` does).
+    State (:meth:`get_state` / :meth:`reset`): ``{"source": <source state>}``,
+    the source's state before the first undelivered batch, the same for every
+    ``depth``; :meth:`position` is the same point without the collective (the
+    caller turns it into a state, e.g. with accounting in the same round).
 
     Threads: the source is touched only under one lock, by the background
-    thread (pull + collate + transform + buffer, as one step) or by the
-    consumer (``depth=0``), and by :meth:`get_state`, which therefore sees
-    every pulled batch either in the source's state or in the buffer, never
-    in between; it is safe from any thread. One consumer at a time.
+    thread (position + pull + collate + transform + buffer, as one step) or by
+    the consumer (``depth=0``), and by :meth:`position`, which therefore sees
+    every pulled batch either not yet pulled or buffered with its position,
+    never in between; it is safe from any thread. One consumer at a time.
     Exceptions from the source, collate or transform re-raise in the
     consumer, in order.
     """
 
     SOURCE_KEY = "source"
-    BUFFERED_KEY = "buffered"
-    LANE_KEY = "lane"
-    BATCH_KEY = "batch"
+    #: An anchor is taken once the wall time since the last one is this many times what the last one cost.
+    ANCHOR_COST_RATIO = 50
+    #: ... or after this many pulls, whichever comes first (bounds what a resume re-reads).
+    ANCHOR_MAX_PULLS = 256
 
     def __init__(
         self,
@@ -190,11 +149,16 @@ class ReadAhead(BaseNode):
         self._source_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._pulled = False  # the source was pulled since the last reset()
+        self._anchor: Any = None  # the latest anchor (source position before a pull), None before the first
+        self._since: dict[int, int] = {}  # lane -> batches pulled since the anchor
+        self._anchor_due = 0.0  # monotonic time after which the next pull takes a new anchor
+        self._anchor_pulls = 0  # pulls since the anchor
         self._closed = False  # close() until the next reset(): next() raises
 
     @property
     def buffered(self) -> int:
-        """Batches pulled from the source and not yet delivered (restored ones included)."""
+        """Batches pulled from the source and not yet delivered."""
         with self._space:
             return sum(isinstance(item, _Pending) for item in self._buffer)
 
@@ -207,40 +171,25 @@ class ReadAhead(BaseNode):
         super().reset(initial_state)
         self._shutdown()
         self._closed = False
-        restored: list[_Pending] = []
         source_state = None
         if initial_state is not None:
-            source_state, restored = self._parse_state(initial_state)
+            if self.SOURCE_KEY not in initial_state:
+                raise ValueError(
+                    f"read-ahead state: missing {self.SOURCE_KEY!r} (keys seen: {sorted(map(str, initial_state))}); "
+                    "expected ReadAhead.get_state() output"
+                )
+            source_state = initial_state[self.SOURCE_KEY]
         with self._source_lock:
             self.source.reset(source_state)
             with self._space:
-                self._buffer = deque(restored)
+                self._buffer = deque()
                 self._recent.clear()
                 self._stop = False
+                self._pulled = False
+                self._anchor, self._since, self._anchor_due, self._anchor_pulls = None, {}, 0.0, 0
         if self.depth:
             self._thread = threading.Thread(target=self._fill, name="zephon-loader-read-ahead", daemon=True)
             self._thread.start()
-
-    def _parse_state(self, state: Mapping[str, Any]) -> tuple[Any, list[_Pending]]:
-        for key in (self.SOURCE_KEY, self.BUFFERED_KEY):
-            if key not in state:
-                raise ValueError(
-                    f"read-ahead state: missing {key!r} (keys seen: {sorted(map(str, state))}); "
-                    "expected ReadAhead.get_state() output"
-                )
-        restored = []
-        for index, entry in enumerate(state[self.BUFFERED_KEY]):
-            where = f"read-ahead state: buffered[{index}]"
-            if not isinstance(entry, Mapping) or set(entry) != {self.LANE_KEY, self.BATCH_KEY}:
-                raise ValueError(f"{where}: got {entry!r:.120}, expected {{'lane': int, 'batch': <encoded batch>}}")
-            lane = entry[self.LANE_KEY]
-            if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
-                raise ValueError(f"{where}.lane: got {lane!r}, expected a Zephon lane id (int >= 0)")
-            batch = entry[self.BATCH_KEY]
-            if not isinstance(batch, Mapping):
-                raise ValueError(f"{where}.batch: got {type(batch).__name__}, expected an encoded batch (dict)")
-            restored.append(_Pending(lane, decode_batch(batch)))
-        return state[self.SOURCE_KEY], restored
 
     def close(self) -> None:
         """Stop the background thread (the source is left to its owner). Idempotent."""
@@ -261,16 +210,22 @@ class ReadAhead(BaseNode):
     # -- producing (background thread, or the consumer when depth == 0) -----------------
     def _pull(self) -> _Pending | _End | _Failure:
         """Next batch from the source, collated and transformed. Call with the source lock held."""
+        self._maybe_anchor()
         try:
             raw = next(self.source)
         except StopIteration:
             return _End()
         except BaseException as error:  # re-raised in the consumer
             return _Failure(error)
+        finally:
+            self._pulled = True
         try:
-            item = _Pending(lane_of(raw), self.collate(raw) if self.collate is not None else raw)
+            lane = lane_of(raw)
+            item = _Pending(lane, self._anchor, dict(self._since), self.collate(raw) if self.collate is not None else raw)
         except BaseException as error:
             return _Failure(error)
+        self._since[lane] = self._since.get(lane, 0) + 1
+        self._anchor_pulls += 1
         if self.depth:
             self._prepare(item)
         return item
@@ -347,20 +302,55 @@ class ReadAhead(BaseNode):
             self._recent.append(item)
         return item
 
-    def get_state(self, lag: int = 0) -> dict[str, Any]:
-        """The state; with ``lag``, as of ``lag`` delivered batches back (they lead ``buffered``, to be delivered
-        again), ``0 <= lag <= retain``."""
+    def _position(self) -> Any:
+        position = getattr(self.source, "position", None)
+        return position() if position is not None else None
+
+    def _maybe_anchor(self) -> None:
+        """Before a pull (source lock held): a new anchor when one is due.
+
+        The first pull of a pass anchors at the reset point (free); the second
+        takes a real one, so that every later batch's anchor carries Zephon's
+        shard (a state cut after deliveries needs one for its round).
+        """
+        if self._anchor is not None and self._anchor_pulls < self.ANCHOR_MAX_PULLS and (
+                time.monotonic() < self._anchor_due):
+            return
+        started = time.perf_counter()
+        self._anchor = self._position()
+        cost = time.perf_counter() - started
+        first = self._anchor_pulls == 0 and not self._since
+        self._since, self._anchor_pulls = {}, 0
+        self._anchor_due = 0.0 if first else time.monotonic() + self.ANCHOR_COST_RATIO * cost
+
+    def position(self, lag: int = 0) -> tuple[Any, list[Any]]:
+        """Where a state is cut: ``(anchor, skip, handed_back)``.
+
+        ``anchor`` is a source position at or before the first batch not
+        delivered, ``skip`` (lane -> batches) the batches delivered since it,
+        ``handed_back`` the collated batches given back by ``lag``. With
+        ``lag`` (``0 <= lag <= retain``), as of ``lag`` delivered batches back:
+        those are handed back (newest last) and a resume delivers them again.
+        With a background reader that has not pulled yet since the last
+        :meth:`reset`, waits for its first pull, so that every rank of a job
+        cuts its state at a pulled position or none does.
+        """
         if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= len(self._recent):
             raise ValueError(f"lag: got {lag!r}, expected an int in [0, {len(self._recent)}] (the delivered batches "
                              f"this node keeps: retain={self.retain})")
-        # Holding the source lock parks the producer between pulls, so the source's
-        # state and the buffer describe the same instant.
+        with self._space:
+            while self.depth and not self._pulled and self._thread is not None and self._thread.is_alive():
+                self._space.wait(timeout=0.1)
+        # Holding the source lock parks the producer between pulls: the buffer and the source agree.
         with self._source_lock:
             with self._space:
                 rewound = list(self._recent)[len(self._recent) - lag:] if lag else []
-                pending = [(item.lane, item.raw) for item in rewound + list(self._buffer) if isinstance(item, _Pending)]
-            source_state = self.source.state_dict()
-        return {
-            self.SOURCE_KEY: source_state,
-            self.BUFFERED_KEY: [{self.LANE_KEY: lane, self.BATCH_KEY: encode_batch(raw)} for lane, raw in pending],
-        }
+                pending = [item for item in rewound + list(self._buffer) if isinstance(item, _Pending)]
+                if pending:
+                    return pending[0].anchor, dict(pending[0].skip), [item.raw for item in rewound]
+            return self._position(), {}, []
+
+    def get_state(self, lag: int = 0) -> dict[str, Any]:
+        """``{"source": <the source's state at position(lag)>}``; a collective for a multi-rank source."""
+        anchor, skip, _ = self.position(lag)
+        return {self.SOURCE_KEY: self.source.state_at(anchor, skip)[0]}

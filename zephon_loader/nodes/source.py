@@ -16,6 +16,7 @@ multi-rank job. Zephon already prefetches internally (``prefetch_batches``).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -23,12 +24,31 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from zephon_loader.errors import field_error as _err
-from zephon_loader.zephon_compat import check_engine_state, close_engine, explained_window_warnings, worker_crash_info
+from zephon_loader.zephon_compat import (
+    check_engine_state,
+    checkpoint_at,
+    close_engine,
+    explained_window_warnings,
+    local_position,
+    worker_crash_info,
+)
 
-__all__ = ["ZephonSource"]
+__all__ = ["Position", "ZephonSource"]
 
 
 # ----------------------------------------------------------------------------- torchdata node
+
+
+def _lane_of(batch: Any) -> int:
+    from zephon_loader.nodes.readahead import lane_of
+
+    return lane_of(batch)
+
+
+def _owned_lanes(pipeline: Any) -> frozenset[int]:
+    from zephon_loader.nodes.lanes import Lanes
+
+    return Lanes(pipeline).owned_lanes()
 
 
 def _restorable(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,15 +73,51 @@ def _restorable(state: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
+class Position:
+    """One rank's position in a :class:`ZephonSource`, taken without a collective (:meth:`ZephonSource.position`).
+
+    Attributes:
+        epoch: The epoch of the pipeline it was taken on.
+        pipeline: That ``zephon.Pipeline``.
+        local: Zephon's local shard of the checkpoint at that instant
+            (:func:`~zephon_loader.zephon_compat.local_position`), or ``None``
+            at the point of the last ``reset()``, before anything was pulled.
+        restored: At that reset point, the state it restored (checkpoint
+            ``None``: the start of the epoch), every lane's skips included.
+        skip: Lane -> batches this rank still had to drop after that instant (a resumed state's skips).
+    """
+
+    __slots__ = ("epoch", "pipeline", "local", "restored", "skip")
+
+    def __init__(self, epoch: int, pipeline: Any, local: dict[str, Any] | None,
+                 restored: dict[str, Any] | None, skip: dict[int, int]) -> None:
+        self.epoch = epoch
+        self.pipeline = pipeline
+        self.local = local
+        self.restored = restored
+        self.skip = skip
+
+
 class ZephonSource(BaseNode):
     """torchdata node yielding a Zephon pipeline's ``SampleBatch`` objects.
 
     * ``reset(None)``: stops any running iteration and starts from scratch.
     * ``reset(state)``: ``pipeline.restore(state)`` then ``iter(pipeline)`` —
       Zephon resumes exactly after the last delivered batch.
-    * ``get_state()``: ``{"zephon_checkpoint": pipeline.checkpoint()}`` (JSON-able). Called only
-      when state is asked for (``state_dict()``), never per batch; in a
-      multi-rank job it is a collective, so every rank must ask together.
+    * ``get_state()``: ``{"zephon_checkpoint": <checkpoint>}`` (JSON-able), the
+      checkpoint of :meth:`position` now (``None``: the start of the epoch,
+      nothing pulled since). Called only when state is asked for
+      (``state_dict()``), never per batch; in a multi-rank job it is a
+      collective, so every rank must ask together.
+    * ``position()``: this rank's position now, without a collective
+      (Zephon's local shard, a few ms); ``state_at(position, skip)`` turns one
+      taken earlier into the state of that instant plus ``skip[lane]`` more
+      batches of each lane (the collective). The state then says, per lane,
+      how many batches after Zephon's checkpoint were already delivered
+      (``"skip"``); ``reset(state)`` restores the checkpoint and drops that
+      many batches of each lane it owns before yielding (a lane's batches
+      follow from its position alone, at any DP size). A read-ahead keeps a
+      position now and then, so a state can be cut before what it pulled.
     * ``close()``: stops Zephon's workers (closes the pipeline iterator, whose
       ``finally`` closes the engine). Idempotent; also on ``with`` exit.
     * Worker processes (``runner: process``) are contained
@@ -89,6 +145,11 @@ class ZephonSource(BaseNode):
     STATE_KEY = "zephon_checkpoint"
     #: The key of :meth:`get_state` output holding the epoch (absent in states of epoch 0).
     EPOCH_KEY = "epoch"
+    #: The key of :meth:`get_state` output holding ``{"<lane>": batches delivered after the checkpoint}``
+    #: (absent: none).
+    SKIP_KEY = "skip"
+    #: The key this node's part of a state round travels under.
+    ROUND_KEY = "zephon_loader.source"
 
     def __init__(self, pipeline: Any, shards: Any = None, *,
                  pipeline_for_epoch: Callable[[int], Any] | None = None) -> None:
@@ -100,6 +161,9 @@ class ZephonSource(BaseNode):
         self._closed = False
         self._epoch = 0  # the epoch of self._pipeline
         self._next_epoch = 0  # the epoch reset(None) starts
+        self._fresh = True  # nothing pulled since the last reset(): the position is the reset point
+        self._restored: dict[str, Any] | None = None  # the state the last reset() restored (None: start)
+        self._skip: dict[int, int] = {}  # lane -> batches still to drop (delivered before the restored state)
         self._adopt(pipeline)
 
     def _adopt(self, pipeline: Any) -> None:
@@ -154,6 +218,7 @@ class ZephonSource(BaseNode):
             raise RuntimeError("ZephonSource.reset: the source is closed; build a new pipeline and source.")
         super().reset(initial_state)
         self._stop()
+        self._fresh, self._restored, self._skip = True, None, {}
         if initial_state is None:
             self._enter_epoch(self._next_epoch)
         else:
@@ -165,7 +230,12 @@ class ZephonSource(BaseNode):
             checkpoint = self._checkpoint_of(initial_state)
             self._enter_epoch(self._epoch_of(initial_state))
             self._next_epoch = self._epoch
-            self._pipeline.restore(_restorable(checkpoint))
+            skip = self._skip_of(initial_state)
+            self._restored = {self.STATE_KEY: checkpoint, self.SKIP_KEY: skip}
+            owned = _owned_lanes(self._pipeline)
+            self._skip = {int(lane): count for lane, count in skip.items() if int(lane) in owned and count}
+            if checkpoint is not None:  # None: the start of the epoch
+                self._pipeline.restore(_restorable(checkpoint))
         with explained_window_warnings():
             self._iterator = iter(self._pipeline)
 
@@ -175,7 +245,20 @@ class ZephonSource(BaseNode):
         if self._iterator is None:  # pragma: no cover - BaseNode calls reset first
             raise RuntimeError("ZephonSource.next: call reset() first.")
         try:
-            return next(self._iterator)
+            while True:
+                batch = next(self._iterator)
+                self._fresh = False
+                if not self._skip:
+                    return batch
+                lane = _lane_of(batch)
+                if not self._skip.get(lane):
+                    return batch
+                self._skip[lane] -= 1  # delivered before the restored state was cut
+                if not self._skip[lane]:
+                    del self._skip[lane]
+        except StopIteration:
+            self._fresh = False
+            raise
         except json.JSONDecodeError as error:  # raised by Zephon's JSONL reader, without file or line
             if self._shards is None:
                 raise
@@ -191,16 +274,79 @@ class ZephonSource(BaseNode):
             raise
 
     def get_state(self) -> dict[str, Any]:
-        with explained_window_warnings():
-            state = {self.STATE_KEY: self._pipeline.checkpoint()}
-        if self._epoch:
-            state[self.EPOCH_KEY] = self._epoch
-        return state
+        return self.state_at(self.position())[0]
+
+    @property
+    def skipping(self) -> dict[int, int]:
+        """Lane -> batches this rank still drops after the restored state (empty once they are behind it)."""
+        return dict(self._skip)
+
+    def position(self) -> Position:
+        """This rank's position now, without a collective: after the batches pulled so far, before the next.
+
+        Safe between pulls (the owner serializes them); costs a copy of
+        Zephon's local shard (a few kB per lane).
+        """
+        local = None if self._fresh else local_position(self._pipeline)
+        return Position(self._epoch, self._pipeline, local, None if local is not None else self._restored,
+                        dict(self._skip))
+
+    def state_at(self, position: Position, skip: Mapping[int, int] | None = None,
+                 extra: tuple[str, Any, Callable[[list[Any]], Any]] | None = None) -> tuple[dict[str, Any], Any]:
+        """The state of ``position`` plus ``skip[lane]`` batches delivered after it, and ``extra`` merged
+        across ranks in the same round. A collective.
+
+        At a reset point (``position.local`` is ``None``) with nothing
+        delivered since, nothing is exchanged: every rank stands at the same
+        restored state (or the start), and ``extra`` merges this rank's value alone.
+
+        Args:
+            position: From :meth:`position` on this source, in the current epoch.
+            skip: Lane -> batches of that lane delivered after ``position`` (this rank's lanes).
+            extra: ``(key, value, merge)`` as :func:`~zephon_loader.zephon_compat.checkpoint_at` takes it.
+
+        Returns:
+            ``({"zephon_checkpoint": <checkpoint or None>, "skip"?: {"<lane>": n}, "epoch"?: e},
+            merged extra or None)``.
+        """
+        mine = dict(position.skip)
+        for lane, count in (skip or {}).items():
+            mine[int(lane)] = mine.get(int(lane), 0) + int(count)
+        value = {"skip": {str(lane): n for lane, n in sorted(mine.items()) if n},
+                 "extra": extra[1] if extra is not None else None}
+
+        def merge(values: list[Any]) -> dict[str, Any]:
+            present = [v for v in values if v]
+            merged_skip: dict[str, int] = {}
+            for v in present:  # each lane is one DP group's; its model-parallel peers agree
+                for lane, n in v["skip"].items():
+                    merged_skip.setdefault(lane, n)
+            return {"skip": merged_skip,
+                    "extra": extra[2]([v["extra"] for v in present]) if extra is not None else None}
+
+        if position.local is None and not skip:
+            restored = copy.deepcopy(position.restored) or {self.STATE_KEY: None, self.SKIP_KEY: {}}
+            checkpoint, merged_skip = restored[self.STATE_KEY], restored[self.SKIP_KEY]
+            merged_extra = extra[2]([extra[1]]) if extra is not None else None
+        else:
+            local = position.local
+            if local is None:  # a reset point with deliveries since: Zephon's shard of the restored state
+                raise RuntimeError("ZephonSource.state_at: a position at a reset point carries no deliveries")
+            with explained_window_warnings():
+                checkpoint, merged = checkpoint_at(position.pipeline, local, extra=(self.ROUND_KEY, value, merge))
+            merged_skip, merged_extra = merged["skip"], merged["extra"]
+        state: dict[str, Any] = {self.STATE_KEY: checkpoint}
+        if merged_skip:
+            state[self.SKIP_KEY] = {str(lane): int(n) for lane, n in sorted(merged_skip.items(), key=lambda i: int(i[0]))}
+        if position.epoch:
+            state[self.EPOCH_KEY] = position.epoch
+        return state, merged_extra
 
     @classmethod
     def is_state(cls, state: Any) -> bool:
         """Whether ``state`` looks like :meth:`get_state` output (a tagged Zephon checkpoint)."""
-        return isinstance(state, Mapping) and cls.STATE_KEY in state and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY}
+        return (isinstance(state, Mapping) and cls.STATE_KEY in state
+                and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY, cls.SKIP_KEY})
 
     def _epoch_of(self, state: Mapping[str, Any]) -> int:
         epoch = state.get(self.EPOCH_KEY, 0)
@@ -208,8 +354,19 @@ class ZephonSource(BaseNode):
             raise ValueError(_err("initial_state.epoch", epoch, "an int >= 0", "Pass the state saved by state_dict()."))
         return epoch
 
-    def _checkpoint_of(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    def _skip_of(self, state: Mapping[str, Any]) -> dict[str, int]:
+        skip = state.get(self.SKIP_KEY) or {}
+        if not isinstance(skip, Mapping) or not all(
+                str(lane).isdigit() and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                for lane, n in skip.items()):
+            raise ValueError(_err("initial_state.skip", skip, "{'<lane>': int >= 0}",
+                                  "Pass the state saved by state_dict()."))
+        return {str(lane): int(n) for lane, n in skip.items()}
+
+    def _checkpoint_of(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         checkpoint = state.get(self.STATE_KEY) if self.is_state(state) else None
+        if checkpoint is None and self.is_state(state):
+            return None  # the start of the epoch
         if not isinstance(checkpoint, Mapping):
             raise ValueError(
                 _err("initial_state", sorted(map(str, state)),
@@ -224,7 +381,9 @@ class ZephonSource(BaseNode):
         Raises:
             ValueError: Not a tagged checkpoint; Zephon's own error for a bad schema.
         """
-        check_engine_state(_restorable(self._checkpoint_of(state)))
+        checkpoint = self._checkpoint_of(state)
+        if checkpoint is not None:
+            check_engine_state(_restorable(checkpoint))
 
     def cancel(self) -> None:
         """From any thread: stop Zephon's engine so that a ``next()`` blocked in it returns soon.
