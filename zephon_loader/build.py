@@ -109,6 +109,8 @@ def build_loader(
         on_close=partial(_remove, owned),
         stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons=stage.drop_reasons()),
         single_rank_by_default=dp.defaulted,
+        # Ranks in step at every pass end (a pass without end needs no agreement).
+        even_passes=cfg.passes is not None and cfg.distributed.even_passes and dp.size > 1,
         **stage.loader_kwargs(),
     )
 

@@ -29,6 +29,7 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import adapt_model_inputs, join_subdocuments
 from zephon_loader.finalize.final_map import FinalizeSettings, FinalMap
+from zephon_loader.nodes.agreement import PassAgreement
 from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
@@ -137,6 +138,7 @@ class ZephonLoader:
         on_close: Callable[[], None] | None = None,
         stats: LoaderStats | None = None,
         single_rank_by_default: bool = False,
+        even_passes: bool = False,
     ) -> None:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"read_ahead: got {read_ahead!r}, expected an int >= 0")
@@ -162,6 +164,9 @@ class ZephonLoader:
         self._epoch_chosen = False  # set_epoch() was called since: it decides the next epoch
         self._consumed: int | None = None  # set_consumed(): batches of this pass the consumer has taken
         self._single_rank_by_default = single_rank_by_default
+        self._even_passes = even_passes
+        self._agreement: PassAgreement | None = None  # made at the first iter() in a multi-rank process group
+        self._pass_over = False  # the ranks agreed to end this pass: next() raises StopIteration
         # Everything the finalizer touches is passed in: it must not keep the loader alive.
         self._finalizer = weakref.finalize(self, _release, self._read_ahead, source, on_close)
 
@@ -198,15 +203,21 @@ class ZephonLoader:
                 self._stats.load_state_dict(pending.stats)
             elif self._stats is not None:
                 self._stats.reset()
+            if self._even_passes and self._agreement is None:
+                self._agreement = PassAgreement.for_job()
+            self._pass_over = False
             self._generation += 1
             self._started = False
             if not resume:
                 ended_epoch = pending.epoch if pending is not None else self._source.epoch
                 if (pending is not None or self._exhausted) and not self._epoch_chosen:
                     self._source.set_epoch(ended_epoch + 1)
+                if pending is not None:  # an ended pass: what the ranks had left comes first
+                    self._source.set_carry(pending.carry)
                 self._read_ahead.reset(None)
             else:
-                source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip}
+                source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip,
+                                ZephonSource.CARRIED_KEY: pending.carried, ZephonSource.CARRY_KEY: pending.carry}
                 if pending.epoch:
                     source_state[ZephonSource.EPOCH_KEY] = pending.epoch
                 self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
@@ -224,6 +235,10 @@ class ZephonLoader:
                     "a later iter(loader) or preview() restarted the stream; advance the newest iterator, "
                     "or call iter(loader) once per pass"
                 )
+            if self._pass_over:
+                raise StopIteration
+            if self._agreement is not None:
+                self._agree()
             try:
                 batch = next(self._read_ahead)
             except StopIteration:
@@ -231,8 +246,32 @@ class ZephonLoader:
                 raise
             counts = batch.pop(F.SOURCE_COUNTS, None)
             if self._stats is not None and counts is not None:
-                self._stats.add_delivered(counts)
+                epoch = self._read_ahead.last_key[0] if self._read_ahead.last_key else self._source.epoch
+                self._stats.add_delivered(counts, carried=epoch != self._source.epoch)
             return batch
+
+    def _agree(self) -> None:
+        """Before a batch: ask every rank whether it has one; end the pass for all when one has none.
+
+        What the others had left is carried into the next pass (a collective, at the same batch on every rank).
+        """
+        assert self._agreement is not None
+        key = self._read_ahead.peek()
+        chain = self._source.chain_epochs
+        reading = chain.index(key[0]) if isinstance(key, tuple) and key[0] in chain else (
+            len(chain) - 1 if key is not None else len(chain))
+        every, some, drained = self._agreement.exchange(key is not None, [i < reading for i in range(len(chain))])
+        if every:
+            return
+        with self._state_lock:
+            if some:  # someone has batches left: they come first in the next epoch
+                anchor, skip, _ = self._read_ahead.position(0)
+                self._source.carry_over(anchor, skip, {i for i, done in enumerate(drained) if done})
+            else:
+                self._source.clear_carry()
+            self._pass_over = True
+            self._exhausted = True
+        raise StopIteration
 
     @property
     def sampler(self) -> "EpochHook":
@@ -385,12 +424,16 @@ class ZephonLoader:
                 counts = [raw.get(F.SOURCE_COUNTS) for raw in handed_back]
                 extra = (STATS_ROUND_KEY, self._stats.round_value([c for c in counts if c]), LoaderStats.merge)
             source_state, stats = self._source.state_at(anchor, skip, extra)
+            pass_ended = self._exhausted and lag == 0
             return LoaderState(
                 fingerprint=copy.deepcopy(self.fingerprint),
                 epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
-                pass_ended=self._exhausted and lag == 0,
+                pass_ended=pass_ended,
                 zephon_checkpoint=source_state[ZephonSource.STATE_KEY],
                 skip=source_state.get(ZephonSource.SKIP_KEY, {}),
+                carried=source_state.get(ZephonSource.CARRIED_KEY, []),
+                # An ended pass records what the next one reads first; a pass in progress what it began with.
+                carry=self._source.pending_carry if pass_ended else source_state.get(ZephonSource.CARRY_KEY, []),
                 stats=stats,
             ).to_dict()
 

@@ -14,6 +14,9 @@ pickle-safe (plain dicts, lists, ints, bools, strings)::
                                            # the read-ahead; None: the start of the epoch
      "skip": {"<lane>": int},              # batches of each lane after that checkpoint that were
                                            # already delivered (a resume drops them)
+     "carried": [{"epoch", "zephon_checkpoint", "skip"}, ...],  # earlier epochs' pipelines this pass
+                                           # still reads first (ranks ended a pass early); usually []
+     "carry": [...],                       # the same, as the pass began (pass_ended: as the next begins)
      "stats": {...} | None}                # LoaderStats.state_dict(), every lane; None without accounting
 
 The state holds no batch and nothing tied to a rank: it is the same on every
@@ -73,6 +76,12 @@ class LoaderState:
             ``zephon_checkpoint`` the training loop has already taken: a
             resume drops them (the checkpoint is an anchor the read-ahead took
             at most a few batches earlier, not a copy of the batches).
+        carried: Earlier epochs' pipelines still read in this pass before the
+            current one, as ``{"epoch", "zephon_checkpoint", "skip"}``: batches
+            left on some ranks when every rank ended a pass at the shortest
+            rank's count (:mod:`zephon_loader.nodes.agreement`).
+        carry: What the pass began with (a restart of it reads that again); in
+            a state whose pass ended, what the next pass reads first.
         stats: :meth:`LoaderStats.state_dict` of the delivered counts, every
             lane's, or ``None`` for a loader built without accounting.
     """
@@ -83,6 +92,8 @@ class LoaderState:
     pass_ended: bool
     zephon_checkpoint: dict[str, Any] | None
     skip: dict[str, int]
+    carried: list[dict[str, Any]]
+    carry: list[dict[str, Any]]
     stats: dict[str, Any] | None
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +206,23 @@ class LoaderState:
                 raise ValueError(f"state_dict.skip: lane {lane!r}, expected a lane id in [0, {canonical_replicas})")
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"state_dict.skip[{lane!r}]: got {count!r}, expected an int >= 0")
+        chains = {}
+        for key in ("carried", "carry"):
+            links = state.get(key, [])
+            if not isinstance(links, list):
+                raise ValueError(f"state_dict.{key}: got {type(links).__name__}, expected a list of "
+                                 "{'epoch', 'zephon_checkpoint', 'skip'} (empty when nothing was carried)")
+            for index, link in enumerate(links):
+                where = f"state_dict.{key}[{index}]"
+                if not isinstance(link, Mapping) or set(link) != {"epoch", "zephon_checkpoint", "skip"}:
+                    raise ValueError(f"{where}: got {link!r:.80}, expected {{'epoch', 'zephon_checkpoint', 'skip'}}")
+                try:
+                    if link["zephon_checkpoint"] is not None:
+                        check_checkpoint(link["zephon_checkpoint"])
+                except Exception as error:
+                    raise ValueError(f"{where}: the Zephon checkpoint inside is corrupt or incompatible: "
+                                     f"{error}") from error
+            chains[key] = copy.deepcopy(links)
         return cls(
             format=STATE_FORMAT,
             fingerprint=copy.deepcopy(dict(saved)),
@@ -202,6 +230,8 @@ class LoaderState:
             pass_ended=pass_ended,
             zephon_checkpoint=copy.deepcopy(dict(checkpoint)) if checkpoint is not None else None,
             skip=dict(skip),
+            carried=chains["carried"],
+            carry=chains["carry"],
             stats=_checked_stats(state.get("stats"), stats),
         )
 

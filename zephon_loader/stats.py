@@ -60,7 +60,7 @@ class CountingCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, sample_batch: Any) -> dict[str, Any]:
-        from zephon_loader.nodes.readahead import lane_of
+        from zephon_loader.nodes.source import lane_of
 
         out = self.collate_fn(sample_batch)
         out[F.SOURCE_COUNTS] = [lane_of(sample_batch), batch_source_counts(sample_batch)]
@@ -77,8 +77,9 @@ class LoaderStats:
             :data:`~zephon_loader.pipeline.records.REASONS` and ``longer_than_row``).
         owned_lanes: The lanes this rank reads (what :meth:`snapshot` adds up); ``None``: every lane.
 
-    State (:meth:`state_dict`): ``{"lanes": {"<lane>": {"batches": int,
-    "delivered": {source: [documents, tokens]}}}, "drops": [event, ...]}``.
+    State (:meth:`state_dict`): ``{"lanes": {"<lane>": {"batches": int, "carried": int,
+    "delivered": {source: [documents, tokens]}}}, "drops": [event, ...]}`` (``carried``: batches of
+    this pass left over from an earlier one).
     """
 
     STATE_KEYS = ("lanes", "drops")
@@ -105,13 +106,17 @@ class LoaderStats:
         self._lanes = {}
 
     def _lane(self, lane: int) -> dict[str, Any]:
-        return self._lanes.setdefault(int(lane), {"batches": 0, "delivered": {}})
+        return self._lanes.setdefault(int(lane), {"batches": 0, "carried": 0, "delivered": {}})
 
-    def add_delivered(self, lane_counts: Sequence[Any]) -> None:
-        """Count one yielded batch: ``[lane, batch_source_counts(batch)]`` (what :class:`CountingCollate` adds)."""
+    def add_delivered(self, lane_counts: Sequence[Any], *, carried: bool = False) -> None:
+        """Count one yielded batch: ``[lane, batch_source_counts(batch)]`` (what :class:`CountingCollate` adds).
+
+        ``carried``: it was left over from an earlier epoch's pass (the ranks ended that pass early).
+        """
         lane, counts = lane_counts
         entry = self._lane(lane)
         entry["batches"] += 1
+        entry["carried"] += int(carried)
         delivered = entry["delivered"]
         for cid, documents, tokens in counts:
             pair = delivered.setdefault(self._name(cid), [0, 0])
@@ -188,7 +193,8 @@ class LoaderStats:
             lanes = {}
             for lane, entry in state["lanes"].items():
                 delivered = {str(k): [int(v[0]), int(v[1])] for k, v in entry["delivered"].items()}
-                lanes[int(lane)] = {"batches": int(entry["batches"]), "delivered": delivered}
+                lanes[int(lane)] = {"batches": int(entry["batches"]), "carried": int(entry.get("carried", 0)),
+                                    "delivered": delivered}
             drops = {_event_key(event): dict(event) for event in state["drops"]}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
@@ -201,7 +207,7 @@ class LoaderStats:
     def snapshot(self) -> dict[str, Any]:
         """The report ``loader.stats()`` returns: the lanes this rank owns.
 
-        ``{"batches": int, "sources": {name: {"delivered": {"documents", "tokens"},
+        ``{"batches": int, "carried_batches": int, "sources": {name: {"delivered": {"documents", "tokens"},
         "dropped": {reason: {"documents", "tokens"}}}}, "dropped": {reason: {"documents",
         "tokens", "first": "<source, shard, line>"}}, "reasons": {reason: meaning}}``.
         ``tokens`` of a record dropped before tokenization is 0 (unknown).
@@ -234,6 +240,7 @@ class LoaderStats:
             total["tokens"] += tokens
         return {
             "batches": self.batches,
+            "carried_batches": sum(entry.get("carried", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
             "sources": sources,
             "dropped": dropped,
             "reasons": dict(self.reasons),

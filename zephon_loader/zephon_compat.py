@@ -9,6 +9,7 @@ upgrade is checked in this file.
 * Pipeline internals: :func:`runtime_options` (its ``RuntimeOptions``),
   :func:`close_engine` (stop its engine from another thread).
 * Checkpoints: :func:`check_engine_state` (Zephon's checkpoint schema),
+  :func:`release_rounds` (what an engine retains of its last round),
   :func:`local_position` and :func:`checkpoint_at` (a checkpoint as of an
   earlier batch: the position before the loader's read-ahead).
 * Cross-rank rounds: :func:`round_coordinator`, :func:`aggregate_round`
@@ -42,6 +43,7 @@ __all__ = [
     "explained_window_warnings",
     "jsonl_suffixes",
     "local_position",
+    "release_rounds",
     "round_coordinator",
     "runtime_options",
     "worker_crash_info",
@@ -118,29 +120,39 @@ def check_engine_state(checkpoint: Mapping[str, Any]) -> None:
     EngineStateV2.load(checkpoint)
 
 
-def local_position(pipeline: Any) -> dict[str, Any] | None:
-    """This rank's share of the checkpoint at this instant, without a collective, or ``None`` (no engine yet).
+def local_position(pipeline: Any, *, prime: bool = False) -> dict[str, Any]:
+    """This rank's share of the checkpoint at this instant, without a collective.
 
     Wraps ``Engine._state_dict_local()``: the per-rank shard that Zephon 0.2's
     ``checkpoint()`` merges across ranks (every lane this rank owns: progress,
-    in-flight chunks, work-source cursors; JSON-able and detached from the live
-    engine). Taken right after a batch left the pipeline's iterator, it is the
-    position "that batch delivered, the next one not": the loader keeps one per
-    batch its read-ahead pulled, so a state can be cut before the read-ahead
-    (:func:`checkpoint_at`) instead of carrying the pulled batches. Zephon has
-    no public call for a local, non-collective position. Zephon builds the
-    shard afresh (its schemas' ``to_dict``), so it is kept without a copy
-    (``tests/test_source.py`` checks that a shard does not change as the
-    engine moves on); about 2 ms for 8 lanes. ``None`` before the
-    engine exists (the first ``next()`` builds it) or while a ``restore()`` is
-    pending (``checkpoint()`` then answers the restored state).
+    in-flight chunks, work-source cursors; JSON-able). Taken right after a
+    batch left the pipeline's iterator, it is the position "that batch
+    delivered, the next one not": the loader keeps one now and then, so a
+    state can be cut before its read-ahead (:func:`checkpoint_at`) instead of
+    carrying the pulled batches. Zephon has no public call for a local,
+    non-collective position. Zephon builds the shard afresh (its schemas'
+    ``to_dict``), so it is kept without a copy (``tests/test_source.py``
+    checks that a shard does not change as the engine moves on); about 2 ms
+    for 8 lanes.
+
+    Args:
+        prime: Nothing was pulled since the pipeline's ``iter()``: build its
+            engine first and apply a pending ``restore()`` to it, as
+            ``checkpoint()`` and the first ``next()`` do (``Pipeline._ensure``,
+            ``Engine.load_state_dict(..., replay=True)``); the iteration then
+            continues on that engine. An engine left over from an earlier
+            iteration is closed, so it is replaced.
     """
-    if getattr(pipeline, "_pending_restore", None) is not None:
-        return None
-    engine = getattr(pipeline, "_engine", None)
-    if engine is None:
-        return None
-    return engine._state_dict_local()
+    if prime:
+        pending = getattr(pipeline, "_pending_restore", None)
+        engine = getattr(pipeline, "_engine", None)
+        if pending is not None or engine is None or engine._closed:
+            pipeline._prime_worksource()
+            pipeline._ensure()
+            if pending is not None:
+                pipeline._engine.load_state_dict(pending, replay=True)
+                pipeline._pending_restore = None
+    return pipeline._engine._state_dict_local()
 
 
 def checkpoint_at(
@@ -210,6 +222,21 @@ def checkpoint_at(
     merged = dict(merged)
     value = merged.pop(key, None) if key is not None else None
     return merged, value
+
+
+def release_rounds(pipeline: Any) -> None:
+    """Delete what the pipeline's engine retains of its last checkpoint round, now (idempotent).
+
+    Wraps ``Engine._clean_merged()``: Zephon 0.2 does this in the engine's
+    ``__del__``, whenever it is garbage-collected; at interpreter exit, after
+    the process group (and the ``torch://`` store it meets at) is gone, the
+    deletion waits for the store's full timeout (180 s). The loader calls this
+    when it stops a pipeline, while the store is still up. Does nothing
+    before Zephon built its engine.
+    """
+    engine = getattr(pipeline, "_engine", None)
+    if engine is not None:
+        engine._clean_merged()
 
 
 def round_coordinator(

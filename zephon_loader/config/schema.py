@@ -197,12 +197,19 @@ class DistributedConfig:
         aggregate_dir: Shared folder for Zephon's cross-rank aggregation.
         aggregate_store: Alternative to ``aggregate_dir``, e.g. ``"torch://"``.
         run_id: Names this run in the aggregate store.
+        even_passes: With several ranks in a process group and a finite
+            ``passes``, every rank yields the same number of batches per pass:
+            the pass ends for all at the shortest rank's count, and what the
+            others had left comes first in the next epoch (one small
+            ``all_reduce`` per batch). ``false``: each rank's pass ends with
+            its own lanes (train by steps then).
     """
 
     canonical_replicas: int | None = None
     aggregate_dir: str | None = None
     aggregate_store: str | None = None
     run_id: str | None = None
+    even_passes: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,27 +40,7 @@ from typing import Any, Callable
 
 from torchdata.nodes import BaseNode
 
-
-def lane_of(batch: Any) -> int:
-    """The Zephon lane a ``SampleBatch`` was drawn from (Zephon batches within one lane).
-
-    Raises:
-        TypeError: ``batch`` carries no ``lane_ids`` (not a Zephon ``SampleBatch``).
-        ValueError: Its rows come from several lanes.
-    """
-    lanes = getattr(batch, "lane_ids", None)
-    if not lanes:
-        raise TypeError(
-            f"read-ahead: got {type(batch).__name__} without lane_ids; expected a zephon SampleBatch "
-            "(the source must be a ZephonSource over pack_flat(...).batch(B))"
-        )
-    distinct = set(lanes)
-    if len(distinct) != 1:
-        raise ValueError(
-            f"read-ahead: a batch mixes Zephon lanes {sorted(distinct)}; expected one lane per batch "
-            "(batch after the lane split, as build_pipeline does)"
-        )
-    return int(lanes[0])
+from zephon_loader.nodes.source import lane_of
 
 
 class _End:
@@ -73,13 +53,13 @@ class _Failure:
 
 
 class _Pending:
-    """A pulled batch: its ``lane``, its ``anchor`` (a source position before it) and ``skip`` (lane -> batches
-    pulled between the anchor and it), ``raw`` (collated) and, once computed, ``ready``."""
+    """A pulled batch: its ``key`` (``(epoch, lane)``), its ``anchor`` (a source position before it) and
+    ``skip`` (key -> batches pulled between the anchor and it), ``raw`` (collated) and, once computed, ``ready``."""
 
-    __slots__ = ("lane", "anchor", "skip", "raw", "ready", "done")
+    __slots__ = ("key", "anchor", "skip", "raw", "ready", "done")
 
-    def __init__(self, lane: int, anchor: Any, skip: dict[int, int], raw: Any) -> None:
-        self.lane = lane
+    def __init__(self, key: Any, anchor: Any, skip: dict[Any, int], raw: Any) -> None:
+        self.key = key
         self.anchor = anchor
         self.skip = skip
         self.raw = raw
@@ -150,8 +130,10 @@ class ReadAhead(BaseNode):
         self._thread: threading.Thread | None = None
         self._stop = False
         self._pulled = False  # the source was pulled since the last reset()
+        #: ``(epoch, lane)`` of the batch the last ``next()`` returned (consumer side).
+        self.last_key: Any = None
         self._anchor: Any = None  # the latest anchor (source position before a pull), None before the first
-        self._since: dict[int, int] = {}  # lane -> batches pulled since the anchor
+        self._since: dict[Any, int] = {}  # key -> batches pulled since the anchor
         self._anchor_due = 0.0  # monotonic time after which the next pull takes a new anchor
         self._anchor_pulls = 0  # pulls since the anchor
         self._closed = False  # close() until the next reset(): next() raises
@@ -220,11 +202,12 @@ class ReadAhead(BaseNode):
         finally:
             self._pulled = True
         try:
-            lane = lane_of(raw)
-            item = _Pending(lane, self._anchor, dict(self._since), self.collate(raw) if self.collate is not None else raw)
+            batch_key = getattr(self.source, "batch_key", None)
+            key = batch_key(raw) if batch_key is not None else (0, lane_of(raw))
+            item = _Pending(key, self._anchor, dict(self._since), self.collate(raw) if self.collate is not None else raw)
         except BaseException as error:
             return _Failure(error)
-        self._since[lane] = self._since.get(lane, 0) + 1
+        self._since[key] = self._since.get(key, 0) + 1
         self._anchor_pulls += 1
         if self.depth:
             self._prepare(item)
@@ -272,6 +255,7 @@ class ReadAhead(BaseNode):
         self._prepare(item)
         if isinstance(item.ready, _Failure):
             raise item.ready.error
+        self.last_key = item.key
         return item.ready
 
     def _take(self) -> Any:
@@ -279,7 +263,7 @@ class ReadAhead(BaseNode):
         so :meth:`get_state` sees it in exactly one of them."""
         with self._space:
             if not self.depth:
-                if self._buffer:  # restored batches come before the source's next one
+                if self._buffer:  # a batch peek() pulled comes before the source's next one
                     return self._delivered(self._buffer.popleft())
             else:
                 while not self._buffer:
@@ -296,6 +280,27 @@ class ReadAhead(BaseNode):
             item = self._pull()
             with self._space:
                 return self._delivered(item)
+
+    def peek(self) -> Any:
+        """Wait for the next item without delivering it: its ``(epoch, lane)`` key, ``None`` at the end, or
+        ``"failure"`` (the next ``next()`` raises it). Inline (``depth=0``) this pulls the batch."""
+        with self._space:
+            if self.depth:
+                while not self._buffer and self._thread is not None and self._thread.is_alive():
+                    self._space.wait(timeout=0.1)
+                item = self._buffer[0] if self._buffer else _End()
+            elif self._buffer:
+                item = self._buffer[0]
+            else:
+                item = None
+        if item is None:  # inline: pull it now, into the buffer the next next() takes from
+            with self._source_lock:
+                item = self._pull()
+                with self._space:
+                    self._buffer.append(item)
+        if isinstance(item, _Pending):
+            return item.key
+        return None if isinstance(item, _End) else "failure"
 
     def _delivered(self, item: Any) -> Any:
         if self.retain and isinstance(item, _Pending):

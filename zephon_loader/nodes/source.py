@@ -1,9 +1,14 @@
 """The torchdata source node over a Zephon pipeline.
 
 * :class:`ZephonSource` is a ``torchdata.nodes.BaseNode`` that yields Zephon's
-  ``SampleBatch`` objects. Its state is ``pipeline.checkpoint()`` and resuming
-  is ``pipeline.restore(state)`` followed by ``iter(pipeline)``: exact and
-  O(1), never the O(N) replay of ``IterableWrapper``.
+  ``SampleBatch`` objects. Its state is Zephon's checkpoint and resuming is
+  ``pipeline.restore(state)`` followed by ``iter(pipeline)``: exact and O(1),
+  never the O(N) replay of ``IterableWrapper``.
+* It reads a *chain* of epochs' pipelines: the current epoch's, after the
+  batches earlier epochs left on this rank's lanes when the ranks agreed to
+  end a pass early (:meth:`ZephonSource.carry_over`, see
+  :mod:`zephon_loader.nodes.agreement`). Usually the chain is the current
+  pipeline alone.
 
 The pipeline itself is built by :func:`zephon_loader.pipeline.text.build_pipeline`.
 
@@ -30,19 +35,14 @@ from zephon_loader.zephon_compat import (
     close_engine,
     explained_window_warnings,
     local_position,
+    release_rounds,
     worker_crash_info,
 )
 
-__all__ = ["Position", "ZephonSource"]
+__all__ = ["Position", "ZephonSource", "lane_of"]
 
 
 # ----------------------------------------------------------------------------- torchdata node
-
-
-def _lane_of(batch: Any) -> int:
-    from zephon_loader.nodes.readahead import lane_of
-
-    return lane_of(batch)
 
 
 def _owned_lanes(pipeline: Any) -> frozenset[int]:
@@ -73,51 +73,147 @@ def _restorable(state: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
+def lane_of(batch: Any) -> int:
+    """The Zephon lane a ``SampleBatch`` was drawn from (Zephon batches within one lane).
+
+    Raises:
+        TypeError: ``batch`` carries no ``lane_ids`` (not a Zephon ``SampleBatch``).
+        ValueError: Its rows come from several lanes.
+    """
+    lanes = getattr(batch, "lane_ids", None)
+    if not lanes:
+        raise TypeError(
+            f"read-ahead: got {type(batch).__name__} without lane_ids; expected a zephon SampleBatch "
+            "(the source must be a ZephonSource over pack_flat(...).batch(B))"
+        )
+    distinct = set(lanes)
+    if len(distinct) != 1:
+        raise ValueError(
+            f"read-ahead: a batch mixes Zephon lanes {sorted(distinct)}; expected one lane per batch "
+            "(batch after the lane split, as build_pipeline does)"
+        )
+    return int(lanes[0])
+
+
+class _Stream:
+    """One epoch's pipeline as this rank reads it: its iterator and the batches it still drops after a restore."""
+
+    def __init__(self, epoch: int, pipeline: Any, shards: Any) -> None:
+        from zephon_loader.nodes.workers import contain_workers
+
+        self.epoch = epoch
+        self.pipeline = pipeline
+        self.shards = shards
+        #: The pipeline's ``mp_context``: registry of its worker processes, bounds their shutdown.
+        self.workers = contain_workers(pipeline)
+        self.iterator: Iterator[Any] | None = None
+        self.skip: dict[int, int] = {}  # lane -> batches still to drop (delivered before the restored state)
+        self.fresh = True  # nothing pulled since start(): Zephon's engine may not exist yet
+        self.ended = False
+
+    def start(self, checkpoint: Mapping[str, Any] | None, skip: Mapping[int, int]) -> None:
+        """Restore ``checkpoint`` (``None``: the start of the epoch) and drop ``skip[lane]`` batches of each lane."""
+        self.stop()
+        self.skip = {int(lane): int(n) for lane, n in skip.items() if n}
+        self.fresh, self.ended = True, False
+        if checkpoint is not None:
+            self.pipeline.restore(_restorable(checkpoint))
+        with explained_window_warnings():
+            self.iterator = iter(self.pipeline)
+
+    def next(self) -> Any:
+        if self.iterator is None or self.ended:
+            raise StopIteration
+        try:
+            while True:
+                batch = next(self.iterator)
+                self.fresh = False
+                if not self.skip:
+                    return batch
+                lane = lane_of(batch)
+                if not self.skip.get(lane):
+                    return batch
+                self.skip[lane] -= 1  # delivered before the restored state was cut
+                if not self.skip[lane]:
+                    del self.skip[lane]
+        except StopIteration:
+            self.fresh, self.ended = False, True
+            raise
+        except json.JSONDecodeError as error:  # raised by Zephon's JSONL reader, without file or line
+            if self.shards is None:
+                raise
+            raise self.shards.unparsable(error) from error
+        except RuntimeError as error:
+            # Zephon's process runner re-raises a worker's exception wrapped (``worker_crash_info``):
+            # a bad record is a BadRecordError under every runner.
+            info = worker_crash_info(error)
+            if getattr(info, "exc_type", None) == "BadRecordError":
+                from zephon_loader.errors import BadRecordError
+
+                raise BadRecordError(str(info.message)) from error
+            raise
+
+    def local(self) -> dict[str, Any]:
+        """Zephon's local shard now (its engine built first if nothing was pulled since start())."""
+        return local_position(self.pipeline, prime=self.fresh)
+
+    def stop(self) -> None:
+        """End the running iteration: Zephon's own shutdown, its worker processes bounded by the grace period."""
+        iterator, self.iterator = self.iterator, None
+        if iterator is None:
+            return
+        self.workers.shut_down()  # Zephon joins worker after worker, up to 10 s each
+        try:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+        finally:
+            try:
+                close_engine(self.pipeline)  # an engine built for a position and never iterated, too
+                release_rounds(self.pipeline)  # now, while the rounds' store is up (not at exit)
+            finally:
+                self.workers.kill()  # whatever Zephon left running (normally none)
+
+
 class Position:
     """One rank's position in a :class:`ZephonSource`, taken without a collective (:meth:`ZephonSource.position`).
 
     Attributes:
-        epoch: The epoch of the pipeline it was taken on.
-        pipeline: That ``zephon.Pipeline``.
-        local: Zephon's local shard of the checkpoint at that instant
-            (:func:`~zephon_loader.zephon_compat.local_position`), or ``None``
-            at the point of the last ``reset()``, before anything was pulled.
-        restored: At that reset point, the state it restored (checkpoint
-            ``None``: the start of the epoch), every lane's skips included.
-        skip: Lane -> batches this rank still had to drop after that instant (a resumed state's skips).
+        streams: Per pipeline of the chain, in order: ``(stream, local shard, skip)``, the shard of
+            :func:`~zephon_loader.zephon_compat.local_position` and the batches per lane it still had to drop.
+        carry: The carry the epoch began with (what a restart of the pass reads first).
     """
 
-    __slots__ = ("epoch", "pipeline", "local", "restored", "skip")
+    __slots__ = ("streams", "carry")
 
-    def __init__(self, epoch: int, pipeline: Any, local: dict[str, Any] | None,
-                 restored: dict[str, Any] | None, skip: dict[int, int]) -> None:
-        self.epoch = epoch
-        self.pipeline = pipeline
-        self.local = local
-        self.restored = restored
-        self.skip = skip
+    def __init__(self, streams: list[tuple[_Stream, dict[str, Any], dict[int, int]]], carry: list[dict[str, Any]]):
+        self.streams = streams
+        self.carry = carry
 
 
 class ZephonSource(BaseNode):
     """torchdata node yielding a Zephon pipeline's ``SampleBatch`` objects.
 
-    * ``reset(None)``: stops any running iteration and starts from scratch.
-    * ``reset(state)``: ``pipeline.restore(state)`` then ``iter(pipeline)`` —
-      Zephon resumes exactly after the last delivered batch.
-    * ``get_state()``: ``{"zephon_checkpoint": <checkpoint>}`` (JSON-able), the
-      checkpoint of :meth:`position` now (``None``: the start of the epoch,
-      nothing pulled since). Called only when state is asked for
-      (``state_dict()``), never per batch; in a multi-rank job it is a
-      collective, so every rank must ask together.
+    * ``reset(None)``: stops any running iteration and starts from scratch
+      (the epoch chosen by ``set_epoch``, after the batches carried into it).
+    * ``reset(state)``: restores every pipeline of the state's chain, then
+      ``iter(pipeline)`` — Zephon resumes exactly after the last delivered batch.
+    * ``get_state()``: the state of :meth:`position` now (JSON-able). Called
+      only when state is asked for (``state_dict()``), never per batch; in a
+      multi-rank job it is a collective (one Zephon round per pipeline of the
+      chain), so every rank must ask together.
     * ``position()``: this rank's position now, without a collective
-      (Zephon's local shard, a few ms); ``state_at(position, skip)`` turns one
-      taken earlier into the state of that instant plus ``skip[lane]`` more
-      batches of each lane (the collective). The state then says, per lane,
-      how many batches after Zephon's checkpoint were already delivered
+      (Zephon's local shards, a few ms); ``state_at(position, skip)`` turns one
+      taken earlier into the state of that instant plus ``skip[(epoch,
+      lane)]`` more batches (the collective). The state says, per lane, how
+      many batches after Zephon's checkpoint were already delivered
       (``"skip"``); ``reset(state)`` restores the checkpoint and drops that
       many batches of each lane it owns before yielding (a lane's batches
       follow from its position alone, at any DP size). A read-ahead keeps a
       position now and then, so a state can be cut before what it pulled.
+    * ``carry_over(position, skip, drop)``: the ranks agreed to end the pass
+      here while some still had batches: the next ``reset(None)`` (the next
+      epoch) reads what is left of them first. A collective.
     * ``close()``: stops Zephon's workers (closes the pipeline iterator, whose
       ``finally`` closes the engine). Idempotent; also on ``with`` exit.
     * Worker processes (``runner: process``) are contained
@@ -139,34 +235,31 @@ class ZephonSource(BaseNode):
 
     Do not place a ``torchdata.nodes.Prefetcher`` directly above this node: it
     snapshots ``state_dict()`` of its source for every item.
+
+    State (``get_state``)::
+
+        {"zephon_checkpoint": {...} | None, "skip"?: {"<lane>": n}, "epoch"?: e,   # the current pipeline
+         "carried"?: [{"epoch": k, "zephon_checkpoint": ..., "skip": ...}, ...],    # earlier ones still read
+         "carry"?: [...]}                                                           # what the epoch began with
     """
 
-    #: The key of :meth:`get_state` output holding ``pipeline.checkpoint()``.
+    #: The key of :meth:`get_state` output holding Zephon's checkpoint of the current pipeline.
     STATE_KEY = "zephon_checkpoint"
     #: The key of :meth:`get_state` output holding the epoch (absent in states of epoch 0).
     EPOCH_KEY = "epoch"
     #: The key of :meth:`get_state` output holding ``{"<lane>": batches delivered after the checkpoint}``
     #: (absent: none).
     SKIP_KEY = "skip"
+    #: Earlier epochs' pipelines still being read (absent: none).
+    CARRIED_KEY = "carried"
+    #: The carry the epoch began with (absent: none).
+    CARRY_KEY = "carry"
     #: The key this node's part of a state round travels under.
     ROUND_KEY = "zephon_loader.source"
 
     def __init__(self, pipeline: Any, shards: Any = None, *,
                  pipeline_for_epoch: Callable[[int], Any] | None = None) -> None:
         super().__init__()
-        #: ``records.ShardTable`` of the sources: names the shard and line of a record Zephon cannot parse.
-        self._shards = shards
-        self._pipeline_for_epoch = pipeline_for_epoch
-        self._iterator: Iterator[Any] | None = None
-        self._closed = False
-        self._epoch = 0  # the epoch of self._pipeline
-        self._next_epoch = 0  # the epoch reset(None) starts
-        self._fresh = True  # nothing pulled since the last reset(): the position is the reset point
-        self._restored: dict[str, Any] | None = None  # the state the last reset() restored (None: start)
-        self._skip: dict[int, int] = {}  # lane -> batches still to drop (delivered before the restored state)
-        self._adopt(pipeline)
-
-    def _adopt(self, pipeline: Any) -> None:
         import zephon
 
         if not isinstance(pipeline, zephon.Pipeline):
@@ -174,21 +267,31 @@ class ZephonSource(BaseNode):
                 _err("pipeline", type(pipeline).__name__, "a zephon.Pipeline",
                      "Build it with zephon_loader.pipeline.text.build_pipeline(...).")
             )
-        from zephon_loader.nodes.workers import contain_workers
-
-        self._pipeline = pipeline
-        #: The pipeline's ``mp_context``: registry of its worker processes, bounds their shutdown.
-        self._workers = contain_workers(pipeline)
+        #: ``records.ShardTable`` of the sources: names the shard and line of a record Zephon cannot parse.
+        self._shards = shards
+        self._pipeline_for_epoch = pipeline_for_epoch
+        self._closed = False
+        self._next_epoch = 0  # the epoch reset(None) starts
+        self._streams = [_Stream(0, pipeline, shards)]  # the chain; the last is the current epoch's
+        self._reading = 0  # index of the stream being read
+        self._carry: list[dict[str, Any]] = []  # what the current epoch began with (a restart reads it again)
+        self._pending_carry: list[dict[str, Any]] | None = None  # carry_over(): for the next reset(None)
+        self._owned = _owned_lanes(pipeline)
 
     @property
     def pipeline(self) -> Any:
         """The wrapped ``zephon.Pipeline`` (of the current epoch)."""
-        return self._pipeline
+        return self._streams[-1].pipeline
 
     @property
     def epoch(self) -> int:
         """The epoch being read (or last read)."""
-        return self._epoch
+        return self._streams[-1].epoch
+
+    @property
+    def chain_epochs(self) -> list[int]:
+        """The epochs of the pipelines this rank reads, in order (the current one last)."""
+        return [stream.epoch for stream in self._streams]
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at the next ``reset(None)``.
@@ -203,75 +306,78 @@ class ZephonSource(BaseNode):
                                   "Build the source with pipeline_for_epoch= to reshuffle per epoch."))
         self._next_epoch = epoch
 
-    def _enter_epoch(self, epoch: int) -> None:
-        if epoch == self._epoch:
-            return
-        if self._pipeline_for_epoch is None:
+    def _stream_for(self, epoch: int, held: list[_Stream]) -> _Stream:
+        """The stream of ``epoch``: one held already (its pipeline reused), else a new pipeline."""
+        for stream in held:
+            if stream.epoch == epoch:
+                held.remove(stream)
+                return stream
+        if epoch and self._pipeline_for_epoch is None:
             raise ValueError(_err("initial_state.epoch", epoch, "0 (this source has one pipeline)",
                                   "Load the state into a loader built by the same builder."))
-        self._workers.kill()  # _stop() ran: the old pipeline's iteration is over
-        self._adopt(self._pipeline_for_epoch(epoch))
-        self._epoch = epoch
+        pipeline = self._pipeline_for_epoch(epoch) if self._pipeline_for_epoch is not None else held.pop().pipeline
+        return _Stream(epoch, pipeline, self._shards)
+
+    def _build_chain(self, links: list[tuple[int, Mapping[str, Any] | None, Mapping[str, int]]]) -> None:
+        """Stop everything, then start one stream per ``(epoch, checkpoint, skip)`` in order."""
+        held = list(self._streams)
+        for stream in held:
+            stream.stop()
+        chain = [self._stream_for(epoch, held) for epoch, _, _ in links]
+        for stream in held:  # pipelines no longer read: their workers go
+            stream.workers.kill()
+        for stream, (_, checkpoint, skip) in zip(chain, links):
+            stream.start(checkpoint, {int(lane): n for lane, n in skip.items() if int(lane) in self._owned})
+        self._streams, self._reading = chain, 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         if self._closed:
             raise RuntimeError("ZephonSource.reset: the source is closed; build a new pipeline and source.")
         super().reset(initial_state)
-        self._stop()
-        self._fresh, self._restored, self._skip = True, None, {}
         if initial_state is None:
-            self._enter_epoch(self._next_epoch)
-        else:
-            if not isinstance(initial_state, Mapping):
-                raise TypeError(
-                    _err("initial_state", type(initial_state).__name__, "a dict from ZephonSource.get_state()",
-                         "Pass the state saved by state_dict().")
-                )
-            checkpoint = self._checkpoint_of(initial_state)
-            self._enter_epoch(self._epoch_of(initial_state))
-            self._next_epoch = self._epoch
-            skip = self._skip_of(initial_state)
-            self._restored = {self.STATE_KEY: checkpoint, self.SKIP_KEY: skip}
-            owned = _owned_lanes(self._pipeline)
-            self._skip = {int(lane): count for lane, count in skip.items() if int(lane) in owned and count}
-            if checkpoint is not None:  # None: the start of the epoch
-                self._pipeline.restore(_restorable(checkpoint))
-        with explained_window_warnings():
-            self._iterator = iter(self._pipeline)
+            if self._pending_carry is not None:  # a new pass after an agreed end
+                self._carry, self._pending_carry = self._pending_carry, None
+            elif self._next_epoch != self.epoch:  # another epoch, nothing carried into it
+                self._carry = []
+            links = [(link[self.EPOCH_KEY], link[self.STATE_KEY], link.get(self.SKIP_KEY) or {})
+                     for link in self._carry]
+            self._build_chain(links + [(self._next_epoch, None, {})])
+            return
+        if not isinstance(initial_state, Mapping):
+            raise TypeError(
+                _err("initial_state", type(initial_state).__name__, "a dict from ZephonSource.get_state()",
+                     "Pass the state saved by state_dict().")
+            )
+        checkpoint = self._checkpoint_of(initial_state)
+        epoch = self._epoch_of(initial_state)
+        carried = [self._link_of(link, f"initial_state.carried[{i}]")
+                   for i, link in enumerate(initial_state.get(self.CARRIED_KEY) or [])]
+        self._carry = [self._link_of(link, f"initial_state.carry[{i}]")
+                       for i, link in enumerate(initial_state.get(self.CARRY_KEY) or [])]
+        self._pending_carry = None
+        self._next_epoch = epoch
+        links = [(link[self.EPOCH_KEY], link[self.STATE_KEY], link[self.SKIP_KEY]) for link in carried]
+        self._build_chain(links + [(epoch, checkpoint, self._skip_of(initial_state))])
+
+    def set_carry(self, carry: list[Mapping[str, Any]]) -> None:
+        """What the next ``reset(None)`` reads first (a loaded state's ``carry`` of an ended pass)."""
+        self._pending_carry = [self._link_of(link, f"carry[{i}]") for i, link in enumerate(carry)]
 
     def next(self) -> Any:
         if self._closed:
             raise RuntimeError("ZephonSource.next: the source is closed.")
-        if self._iterator is None:  # pragma: no cover - BaseNode calls reset first
-            raise RuntimeError("ZephonSource.next: call reset() first.")
-        try:
-            while True:
-                batch = next(self._iterator)
-                self._fresh = False
-                if not self._skip:
-                    return batch
-                lane = _lane_of(batch)
-                if not self._skip.get(lane):
-                    return batch
-                self._skip[lane] -= 1  # delivered before the restored state was cut
-                if not self._skip[lane]:
-                    del self._skip[lane]
-        except StopIteration:
-            self._fresh = False
-            raise
-        except json.JSONDecodeError as error:  # raised by Zephon's JSONL reader, without file or line
-            if self._shards is None:
-                raise
-            raise self._shards.unparsable(error) from error
-        except RuntimeError as error:
-            # Zephon's process runner re-raises a worker's exception wrapped (``worker_crash_info``):
-            # a bad record is a BadRecordError under every runner.
-            info = worker_crash_info(error)
-            if getattr(info, "exc_type", None) == "BadRecordError":
-                from zephon_loader.errors import BadRecordError
+        while self._reading < len(self._streams):
+            try:
+                return self._streams[self._reading].next()
+            except StopIteration:
+                if self._reading == len(self._streams) - 1:
+                    raise
+                self._reading += 1  # an earlier epoch's batches are behind: the next pipeline
+        raise StopIteration
 
-                raise BadRecordError(str(info.message)) from error
-            raise
+    def batch_key(self, batch: Any) -> tuple[int, int]:
+        """``(epoch, lane)`` of the batch :meth:`next` just returned (what a state's ``skip`` counts by)."""
+        return self._streams[min(self._reading, len(self._streams) - 1)].epoch, lane_of(batch)
 
     def get_state(self) -> dict[str, Any]:
         return self.state_at(self.position())[0]
@@ -279,89 +385,132 @@ class ZephonSource(BaseNode):
     @property
     def skipping(self) -> dict[int, int]:
         """Lane -> batches this rank still drops after the restored state (empty once they are behind it)."""
-        return dict(self._skip)
+        return {lane: n for stream in self._streams for lane, n in stream.skip.items()}
 
     def position(self) -> Position:
         """This rank's position now, without a collective: after the batches pulled so far, before the next.
 
-        Safe between pulls (the owner serializes them); costs a copy of
-        Zephon's local shard (a few kB per lane).
+        Safe between pulls (the owner serializes them); costs Zephon's local
+        shard per pipeline of the chain (a few ms for 8 lanes), and builds
+        Zephon's engine of a pipeline nothing was pulled from yet.
         """
-        local = None if self._fresh else local_position(self._pipeline)
-        return Position(self._epoch, self._pipeline, local, None if local is not None else self._restored,
-                        dict(self._skip))
+        return Position([(stream, stream.local(), dict(stream.skip)) for stream in self._streams],
+                        copy.deepcopy(self._carry))
 
-    def state_at(self, position: Position, skip: Mapping[int, int] | None = None,
+    def state_at(self, position: Position, skip: Mapping[tuple[int, int], int] | None = None,
                  extra: tuple[str, Any, Callable[[list[Any]], Any]] | None = None) -> tuple[dict[str, Any], Any]:
-        """The state of ``position`` plus ``skip[lane]`` batches delivered after it, and ``extra`` merged
-        across ranks in the same round. A collective.
-
-        At a reset point (``position.local`` is ``None``) with nothing
-        delivered since, nothing is exchanged: every rank stands at the same
-        restored state (or the start), and ``extra`` merges this rank's value alone.
+        """The state of ``position`` plus ``skip[(epoch, lane)]`` batches delivered after it, and ``extra``
+        merged across ranks in the round of the current pipeline. A collective: one Zephon round per
+        pipeline of the chain.
 
         Args:
-            position: From :meth:`position` on this source, in the current epoch.
-            skip: Lane -> batches of that lane delivered after ``position`` (this rank's lanes).
+            position: From :meth:`position` on this source, in the current pass.
+            skip: ``(epoch, lane)`` -> batches delivered after ``position`` (this rank's lanes).
             extra: ``(key, value, merge)`` as :func:`~zephon_loader.zephon_compat.checkpoint_at` takes it.
 
         Returns:
-            ``({"zephon_checkpoint": <checkpoint or None>, "skip"?: {"<lane>": n}, "epoch"?: e},
-            merged extra or None)``.
+            ``(state, merged extra or None)``; the state as the class docstring shows.
         """
-        mine = dict(position.skip)
-        for lane, count in (skip or {}).items():
-            mine[int(lane)] = mine.get(int(lane), 0) + int(count)
-        value = {"skip": {str(lane): n for lane, n in sorted(mine.items()) if n},
-                 "extra": extra[1] if extra is not None else None}
-
-        def merge(values: list[Any]) -> dict[str, Any]:
-            present = [v for v in values if v]
-            merged_skip: dict[str, int] = {}
-            for v in present:  # each lane is one DP group's; its model-parallel peers agree
-                for lane, n in v["skip"].items():
-                    merged_skip.setdefault(lane, n)
-            return {"skip": merged_skip,
-                    "extra": extra[2]([v["extra"] for v in present]) if extra is not None else None}
-
-        if position.local is None and not skip:
-            restored = copy.deepcopy(position.restored) or {self.STATE_KEY: None, self.SKIP_KEY: {}}
-            checkpoint, merged_skip = restored[self.STATE_KEY], restored[self.SKIP_KEY]
-            merged_extra = extra[2]([extra[1]]) if extra is not None else None
-        else:
-            local = position.local
-            if local is None:  # a reset point with deliveries since: Zephon's shard of the restored state
-                raise RuntimeError("ZephonSource.state_at: a position at a reset point carries no deliveries")
-            with explained_window_warnings():
-                checkpoint, merged = checkpoint_at(position.pipeline, local, extra=(self.ROUND_KEY, value, merge))
-            merged_skip, merged_extra = merged["skip"], merged["extra"]
-        state: dict[str, Any] = {self.STATE_KEY: checkpoint}
-        if merged_skip:
-            state[self.SKIP_KEY] = {str(lane): int(n) for lane, n in sorted(merged_skip.items(), key=lambda i: int(i[0]))}
-        if position.epoch:
-            state[self.EPOCH_KEY] = position.epoch
+        links, merged_extra = self._links_at(position, skip, extra)
+        *carried, current = links
+        state: dict[str, Any] = {self.STATE_KEY: current[self.STATE_KEY]}
+        if current[self.SKIP_KEY]:
+            state[self.SKIP_KEY] = current[self.SKIP_KEY]
+        if current[self.EPOCH_KEY]:
+            state[self.EPOCH_KEY] = current[self.EPOCH_KEY]
+        if carried:
+            state[self.CARRIED_KEY] = carried
+        if position.carry:
+            state[self.CARRY_KEY] = position.carry
         return state, merged_extra
+
+    def carry_over(self, position: Position, skip: Mapping[tuple[int, int], int], drop: set[int]) -> list[dict]:
+        """The ranks ended the pass at ``position`` (plus ``skip``) while some had batches left: the next
+        ``reset(None)`` reads what is left first. A collective (one round per pipeline of the chain).
+
+        Args:
+            drop: Indexes of chain pipelines no rank has anything left of (they are not carried).
+
+        Returns:
+            The carry (also what a state of the ended pass records).
+        """
+        links, _ = self._links_at(position, skip, None)
+        self._pending_carry = [link for index, link in enumerate(links) if index not in drop]
+        return copy.deepcopy(self._pending_carry)
+
+    def clear_carry(self) -> None:
+        """The pass ended with nothing left on any rank: the next pass carries nothing in."""
+        self._pending_carry = []
+
+    @property
+    def pending_carry(self) -> list[dict[str, Any]]:
+        """What the next ``reset(None)`` reads first (after :meth:`carry_over`), else ``[]``."""
+        return copy.deepcopy(self._pending_carry or [])
+
+    def _links_at(self, position: Position, skip: Mapping[tuple[int, int], int] | None,
+                  extra: tuple[str, Any, Callable[[list[Any]], Any]] | None) -> tuple[list[dict[str, Any]], Any]:
+        merged_extra = None
+        links = []
+        last = len(position.streams) - 1
+        for index, (stream, local, pending) in enumerate(position.streams):
+            mine = dict(pending)
+            for (epoch, lane), count in (skip or {}).items():
+                if epoch == stream.epoch:
+                    mine[int(lane)] = mine.get(int(lane), 0) + int(count)
+            with_extra = extra if index == last else None
+            value = {"skip": {str(lane): n for lane, n in sorted(mine.items()) if n},
+                     "extra": with_extra[1] if with_extra is not None else None}
+
+            def merge(values: list[Any], with_extra: Any = with_extra) -> dict[str, Any]:
+                present = [v for v in values if v]
+                merged_skip: dict[str, int] = {}
+                for v in present:  # each lane is one DP group's; its model-parallel peers agree
+                    for lane, n in v["skip"].items():
+                        merged_skip.setdefault(lane, n)
+                return {"skip": merged_skip,
+                        "extra": with_extra[2]([v["extra"] for v in present]) if with_extra is not None else None}
+
+            with explained_window_warnings():
+                checkpoint, merged = checkpoint_at(stream.pipeline, local, extra=(self.ROUND_KEY, value, merge))
+            if index == last:
+                merged_extra = merged["extra"]
+            links.append({self.EPOCH_KEY: stream.epoch, self.STATE_KEY: checkpoint,
+                          self.SKIP_KEY: {lane: int(n) for lane, n in sorted(merged["skip"].items(),
+                                                                               key=lambda item: int(item[0]))}})
+        return links, merged_extra
 
     @classmethod
     def is_state(cls, state: Any) -> bool:
         """Whether ``state`` looks like :meth:`get_state` output (a tagged Zephon checkpoint)."""
         return (isinstance(state, Mapping) and cls.STATE_KEY in state
-                and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY, cls.SKIP_KEY})
+                and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY, cls.SKIP_KEY, cls.CARRIED_KEY, cls.CARRY_KEY})
 
-    def _epoch_of(self, state: Mapping[str, Any]) -> int:
+    def _epoch_of(self, state: Mapping[str, Any], where: str = "initial_state") -> int:
         epoch = state.get(self.EPOCH_KEY, 0)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(_err("initial_state.epoch", epoch, "an int >= 0", "Pass the state saved by state_dict()."))
+            raise ValueError(_err(f"{where}.epoch", epoch, "an int >= 0", "Pass the state saved by state_dict()."))
         return epoch
 
-    def _skip_of(self, state: Mapping[str, Any]) -> dict[str, int]:
+    def _skip_of(self, state: Mapping[str, Any], where: str = "initial_state") -> dict[str, int]:
         skip = state.get(self.SKIP_KEY) or {}
         if not isinstance(skip, Mapping) or not all(
                 str(lane).isdigit() and isinstance(n, int) and not isinstance(n, bool) and n >= 0
                 for lane, n in skip.items()):
-            raise ValueError(_err("initial_state.skip", skip, "{'<lane>': int >= 0}",
+            raise ValueError(_err(f"{where}.skip", skip, "{'<lane>': int >= 0}",
                                   "Pass the state saved by state_dict()."))
         return {str(lane): int(n) for lane, n in skip.items()}
+
+    def _link_of(self, link: Any, where: str) -> dict[str, Any]:
+        """A checked ``{"epoch", "zephon_checkpoint", "skip"}`` entry of ``carried`` or ``carry``."""
+        if not isinstance(link, Mapping) or self.STATE_KEY not in link:
+            raise ValueError(_err(where, link, "{'epoch': int, 'zephon_checkpoint': ..., 'skip': {...}}",
+                                  "Pass the state saved by state_dict()."))
+        checkpoint = link[self.STATE_KEY]
+        if checkpoint is not None and not isinstance(checkpoint, Mapping):
+            raise ValueError(_err(f"{where}.zephon_checkpoint", type(checkpoint).__name__,
+                                  "a Zephon checkpoint (dict) or None", "Pass the state saved by state_dict()."))
+        return {self.EPOCH_KEY: self._epoch_of(link, where), self.STATE_KEY: checkpoint,
+                self.SKIP_KEY: self._skip_of(link, where)}
 
     def _checkpoint_of(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         checkpoint = state.get(self.STATE_KEY) if self.is_state(state) else None
@@ -376,14 +525,19 @@ class ZephonSource(BaseNode):
         return dict(checkpoint)
 
     def validate_state(self, state: Mapping[str, Any]) -> None:
-        """Check a saved state against Zephon's checkpoint schema now, without starting anything.
+        """Check a saved state's Zephon checkpoints (the current one and any carried) against Zephon's schema,
+        without starting anything.
 
         Raises:
             ValueError: Not a tagged checkpoint; Zephon's own error for a bad schema.
         """
-        checkpoint = self._checkpoint_of(state)
-        if checkpoint is not None:
-            check_engine_state(_restorable(checkpoint))
+        checkpoints = [self._checkpoint_of(state)]
+        for key in (self.CARRIED_KEY, self.CARRY_KEY):
+            checkpoints += [self._link_of(link, f"{key}[{i}]")[self.STATE_KEY]
+                            for i, link in enumerate(state.get(key) or [])]
+        for checkpoint in checkpoints:
+            if checkpoint is not None:
+                check_engine_state(_restorable(checkpoint))
 
     def cancel(self) -> None:
         """From any thread: stop Zephon's engine so that a ``next()`` blocked in it returns soon.
@@ -397,29 +551,19 @@ class ZephonSource(BaseNode):
         :func:`~zephon_loader.zephon_compat.close_engine`, which does nothing
         before Zephon built it (early in the first ``next()``). Idempotent.
         """
-        self._workers.shut_down()
-        close_engine(self._pipeline)
+        for stream in self._streams:
+            stream.workers.shut_down()
+            close_engine(stream.pipeline)
 
     def close(self) -> None:
         """Stop Zephon's worker threads/processes; none is left when it returns. Safe to call more than once."""
         try:
-            self._stop()
+            for stream in self._streams:
+                stream.stop()
         finally:
             self._closed = True
-            self._workers.kill()  # also after a cancel() whose iteration ended by itself
-
-    def _stop(self) -> None:
-        """End the running iteration: Zephon's own shutdown, its worker processes bounded by the grace period."""
-        iterator, self._iterator = self._iterator, None
-        if iterator is None:
-            return
-        self._workers.shut_down()  # Zephon joins worker after worker, up to 10 s each
-        try:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-        finally:
-            self._workers.kill()  # whatever Zephon left running (normally none)
+            for stream in self._streams:
+                stream.workers.kill()  # also after a cancel() whose iteration ended by itself
 
     def __enter__(self) -> "ZephonSource":
         return self
