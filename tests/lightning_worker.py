@@ -95,6 +95,9 @@ def main(argv: list[str]) -> int:
     out, mode, steps = Path(argv[0]), argv[1], int(argv[2])
     stop = int(argv[3]) if len(argv) > 3 and argv[3] != "-" else None
     passed_in = len(argv) > 4 and argv[4] == "passed"  # built here, before fit starts the process group
+    epochs = len(argv) > 5 and argv[5] == "epochs"  # passes: 1 and max_epochs=STEPS: the ranks agree on pass ends
+    if epochs:
+        return by_epochs(out, mode, steps, stop, passed_in)
     config = demo_config(passes=None)
     module = TinyLM(build_loader=None if passed_in else config)
     loaders = {"train_dataloaders": build_text_loader(config)} if passed_in else {}
@@ -110,6 +113,26 @@ def main(argv: list[str]) -> int:
         fit = trainer(out / "full", max_epochs=1, max_steps=steps, **kwargs)
         fit.fit(module, **loaders)
     (out / f"{mode}_rank{fit.global_rank}.json").write_text(json.dumps(module.trained))
+    return 0
+
+
+def by_epochs(out: Path, mode: str, epochs: int, stop: int | None, passed_in: bool) -> int:
+    """As :func:`main`, by epochs: the default ``passes: 1``, ``max_epochs=epochs``; ``stop`` is a global step."""
+    config = demo_config()
+    module = TinyLM(build_loader=None if passed_in else config)
+    loaders = {"train_dataloaders": build_text_loader(config)} if passed_in else {}
+    kwargs: dict[str, Any] = {"strategy": "ddp", "devices": int(os.environ.get("WORLD_SIZE", "1"))}
+    ckpt_dir = out / "ckpt-epochs"
+    if mode == "stop":
+        fit = trainer(ckpt_dir, max_epochs=epochs, max_steps=stop, every=stop, **kwargs)
+        fit.fit(module, **loaders)
+    elif mode == "resume":
+        fit = trainer(ckpt_dir / "resumed", max_epochs=epochs, **kwargs)
+        fit.fit(module, ckpt_path=str(ckpt_dir / f"step={stop}.ckpt"), **loaders)
+    else:
+        fit = trainer(out / "full-epochs", max_epochs=epochs, **kwargs)
+        fit.fit(module, **loaders)
+    (out / f"epochs_{mode}_rank{fit.global_rank}.json").write_text(json.dumps(module.trained))
     return 0
 
 

@@ -167,3 +167,95 @@ def test_lane_ownership_matches_zephons_own_mapping(dp, lanes, strategy):
             warnings.simplefilter("ignore", RuntimeWarning)  # uneven lanes per group
             world = engine._build_world()
         assert lane_mapping(options) == {g: tuple(ls) for g, ls in world.lanes_for_dp_group.items()}
+
+
+def _scale_rank(task: dict) -> None:
+    """One rank of the 8 -> 2 -> 4 test: ``head`` batches, a state (collective), then the rest; stats along."""
+    out = Path(task["out"])
+    try:
+        from zephon_loader.build import build_text_loader
+
+        results = {}
+        for read_ahead in READ_AHEADS:
+            cfg = _config(task["sources"], task["tokenizer"], read_ahead, task["aggregate"],
+                          f"{task['run']}-ra{read_ahead}")
+            cfg["distributed"]["canonical_replicas"] = 8
+            with build_text_loader(cfg, dp_rank=task["rank"], dp_world_size=task["world"]) as loader:
+                if task["state"] is not None:
+                    loader.load_state_dict(json.loads(Path(task["state"]).read_text())[str(read_ahead)]["state"])
+                it = iter(loader)
+                head = [row for _ in range(task["head"]) for row in _rows(next(it))]
+                deadline = time.monotonic() + 60
+                while loader._read_ahead.buffered < read_ahead and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                state = loader.state_dict()
+                at_state = loader.stats()
+                rest = [row for batch in it for row in _rows(batch)]
+                results[read_ahead] = {"head": head, "state": state, "rest": rest, "at_state": at_state,
+                                       "at_end": loader.stats()}
+        out.write_text(json.dumps(results))
+    except BaseException:
+        out.with_suffix(".error").write_text(traceback.format_exc())
+        raise
+
+
+def test_eight_to_two_to_four_ranks_is_exact_with_stats_that_add_up(tmp_path, sources, tokenizer_dir):
+    """Issue 18: states the same on every rank, no bigger at 4 ranks than at 1 (within 1.5x), exact at
+    8 -> 2 -> 4 with read-ahead, and ``stats()`` summed over the ranks is what the job delivered."""
+    common = {"sources": sources, "tokenizer": str(tokenizer_dir)}
+
+    def phase(name: str, world: int, head: int, state: Path | None) -> list[dict]:
+        aggregate = tmp_path / f"aggregate-{name}"
+        aggregate.mkdir()
+        tasks = [{**common, "aggregate": str(aggregate), "out": str(tmp_path / f"{name}-{rank}.json"), "run": name,
+                  "rank": rank, "world": world, "head": head, "state": None if state is None else str(state)}
+                 for rank in range(world)]
+        context = mp.get_context("spawn")
+        processes = [context.Process(target=_scale_rank, args=(task,)) for task in tasks]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(400)
+        for task, process in zip(tasks, processes):
+            if process.is_alive():
+                process.kill()
+                pytest.fail(f"{task['out']} hung")
+            error = Path(task["out"]).with_suffix(".error")
+            assert process.exitcode == 0, error.read_text() if error.exists() else f"exit {process.exitcode}"
+        return [{int(k): v for k, v in json.loads(Path(task["out"]).read_text()).items()} for task in tasks]
+
+    one = phase("one", 1, 2, None)
+    eight = phase("eight", 8, 1, None)
+    two = phase("two", 2, 3, tmp_path / "eight-0.json")
+    four = phase("four", 4, 1, tmp_path / "two-1.json")  # any rank's state resumes any rank
+
+    def rows(runs, *keys):
+        return Counter(tuple(row) for run in runs for key in keys for row in run[key])
+
+    def delivered(report):
+        return {name: source["delivered"] for name, source in report["sources"].items()}
+
+    def total(reports):
+        out = {}
+        for report in reports:
+            for name, counts in delivered(report).items():
+                entry = out.setdefault(name, {"documents": 0, "tokens": 0})
+                entry["documents"] += counts["documents"]
+                entry["tokens"] += counts["tokens"]
+        return out, sum(report["batches"] for report in reports)
+
+    for read_ahead in READ_AHEADS:
+        e, t, f = ([run[read_ahead] for run in runs] for runs in (eight, two, four))
+        assert all(run["state"] == e[0]["state"] for run in e), "the 8 ranks' states differ"
+        assert sum(len(run["rest"]) for run in e) > 20, "little left after the state: the test would prove little"
+        assert rows(e, "rest") == rows(t, "head", "rest"), f"read_ahead={read_ahead}: 8 -> 2 lost or repeated rows"
+        assert rows(t, "rest") == rows(f, "head", "rest"), f"read_ahead={read_ahead}: 2 -> 4 lost or repeated rows"
+        assert all(run["head"] for run in f), "a new rank got nothing"
+        # The whole pass, whatever the topology: the 8-rank run's totals at its end.
+        whole = total([run["at_end"] for run in e])
+        assert total([run["at_end"] for run in t]) == whole, "8 -> 2: the ranks' stats do not add up to the pass"
+        assert total([run["at_end"] for run in f]) == whole, "2 -> 4: the ranks' stats do not add up to the pass"
+        assert total([run["at_state"] for run in t])[1] == 8 * 1 + 2 * 3  # batches delivered when S2 was cut
+        size_one = len(json.dumps(one[0][read_ahead]["state"]))
+        size_four = len(json.dumps(f[0]["state"]))
+        assert size_four <= 1.5 * size_one, f"state at 4 ranks {size_four} B vs 1 rank {size_one} B"

@@ -132,3 +132,31 @@ def test_ddp_two_processes_resume_exactly_per_rank(tmp_path, built):
         assert records["stop", rank] + records["resume", rank] == records["full", rank]
     assert {step[2] for step in records["full", 0]}.isdisjoint(step[2] for step in records["full", 1])  # two lanes
     assert len(records["full", 0]) == len(records["full", 1]) == 20
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun on loopback")
+def test_ddp_by_epochs_stays_in_step_and_resumes_exactly(tmp_path):
+    """Lightning DDP with the default ``passes: 1`` and ``max_epochs=2`` (no ``max_steps``): both ranks train the
+    same number of steps in each epoch (the loader ends every rank's pass at the same batch), and a run stopped
+    inside the second epoch and resumed trains exactly the uninterrupted run's batches."""
+    worker = Path(__file__).with_name("lightning_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")])}
+
+    def torchrun(*args: str) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                   "127.0.0.1", "--master_port", str(_free_port()), str(worker), str(tmp_path), *args]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def record(mode: str, rank: int) -> list:
+        return json.loads((tmp_path / f"epochs_{mode}_rank{rank}.json").read_text())
+
+    torchrun("full", "2", "-", "module", "epochs")
+    full = [record("full", rank) for rank in (0, 1)]
+    per_epoch = [[sum(1 for step in steps if step[0] == epoch) for epoch in (0, 1)] for steps in full]
+    assert per_epoch[0] == per_epoch[1] and all(per_epoch[0]), per_epoch
+    stop = per_epoch[0][0] + 2  # inside the second epoch, after what was carried into it began
+    torchrun("stop", "2", str(stop), "module", "epochs")
+    torchrun("resume", "2", str(stop), "module", "epochs")
+    for rank in (0, 1):
+        assert record("stop", rank) + record("resume", rank) == full[rank], rank

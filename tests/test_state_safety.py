@@ -152,6 +152,11 @@ def test_retired_malformed_and_other_lane_count_states_are_refused(sources, toke
             r"state_dict\.format: got 'zephon_loader\.state/2'.*carried every rank's read-ahead batches")
     refused(lambda s: s["stats"].update(lanes={"0": {"batches": "x", "delivered": {}}}),
             r"state_dict\.stats: malformed")
+    refused(lambda s: s.update(carried={}), r"state_dict\.carried: got dict, expected a list")
+    refused(lambda s: s.update(carry=[{"epoch": 0}]), r"state_dict\.carry\[0\]: got .*expected \{'epoch'")
+    refused(lambda s: s.update(carried=[{"epoch": 0, "zephon_checkpoint": {"version": 2}, "skip": {}}]),
+            r"state_dict\.carried\[0\]: the Zephon checkpoint inside is corrupt")
+    refused(lambda s: s.update(skip={"9": 1}), r"state_dict\.skip: lane '9', expected a lane id in \[0, 2\)")
     # The fingerprint names canonical_replicas too; the Zephon checkpoint itself is checked as well.
     with build_text_loader(config(sources, tokenizer_dir, 2)) as one_lane:
         other = json.loads(json.dumps(state))

@@ -69,6 +69,10 @@ class ZephonLoader:
       the epoch of the next ``iter()`` instead. A pass restarted before its
       end restarts the same epoch. The state records the epoch, and whether
       its pass had ended: such a state resumes at the start of the next epoch.
+      With several ranks in a process group and a finite ``passes``, every
+      rank's pass ends at the same batch (the shortest rank's count;
+      :mod:`zephon_loader.nodes.agreement`): what the others had left comes
+      first in the next epoch, and the state records it.
     * ``state_dict()``: JSON- and pickle-safe dict (AutoModel's
       ``weights_only`` load accepts it). Taken after the training loop
       consumed ``k`` batches, a loader that ``load_state_dict``-s it yields

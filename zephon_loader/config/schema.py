@@ -242,9 +242,9 @@ class LoaderConfig:
             exact epoch).
         passes: Passes over the sources in one stream, each reshuffled by
             Zephon (``mixture: repeat`` only); an epoch of the loader is this
-            stream. ``null``: endless, for training by steps: the stream never
-            ends, so data-parallel ranks never reach the end of a pass at
-            different steps (their lanes hold different numbers of batches).
+            stream (with several ranks in a process group: the same number of
+            batches on every rank, see ``distributed.even_passes``). ``null``:
+            endless, for training by steps.
         chunk_size: Zephon work-chunk size in records; ``None`` picks one that fits the smallest source.
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
