@@ -15,7 +15,6 @@ divisible by both).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch.distributed as dist
@@ -39,16 +38,14 @@ def main() -> None:
     config = type(config)(**{**config.__dict__, "distributed": type(config.distributed)(canonical_replicas=4)})
     with build_text_loader(config) as loader:
         if args.resume is not None:
-            # Every rank's state holds every lane's position: a rank of a new size loads any of them.
+            # Every rank's state is the same, and holds every lane's position: a rank of a new size loads any of them.
             saved = args.resume / f"rank{rank % len(list(args.resume.glob('rank*.json')))}.json"
-            loader.load_state_dict(json.loads(saved.read_text()))
+            loader.load_state(saved)
         tokens = 0
         for step, batch in enumerate(loader, start=1):
             tokens += int((~batch["padding_mask"]).sum())  # model step here
             if step == args.save_at:
-                state = loader.state_dict()  # collective
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / f"rank{rank}.json").write_text(json.dumps(state))
+                loader.save_state(args.out / f"rank{rank}.json")  # collective; atomic (tmp, fsync, rename)
             if step == args.steps:
                 break
         print(f"rank {rank}/{loader.dp_world_size}: {step} batches, {tokens} tokens, epoch {loader.epoch}", flush=True)

@@ -532,7 +532,11 @@ def test_ctrl_c_during_run_prints_the_report_so_far_and_exits_130(tmp_path):
     config.write_text(yaml.safe_dump(node))
     report = tmp_path / "report.json"
     process = subprocess.Popen([sys.executable, "-m", "zephon_loader.cli", "run", str(config), "--json", str(report)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT below dumps every thread
+                               # A suite started in the background (`nohup pytest &`) ignores SIGINT, and a child
+                               # inherits that: give the CLI the default disposition, as a terminal would.
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     try:
         # Event-based: wait until the progress bar shows a delivered batch ("batches: 1batch ..."), then SIGINT.
@@ -542,7 +546,12 @@ def test_ctrl_c_during_run_prints_the_report_so_far_and_exits_130(tmp_path):
                 break
             seen += chunk
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=300)
+        try:
+            out, err = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:  # say where it hangs: faulthandler prints every thread on SIGABRT
+            process.send_signal(signal.SIGABRT)
+            out, err = process.communicate(timeout=60)
+            pytest.fail(f"zephon-loader run did not exit 300 s after SIGINT; its threads:\n{err[-12000:]}")
         err = seen + err
     finally:
         if process.poll() is None:

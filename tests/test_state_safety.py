@@ -329,3 +329,68 @@ def test_release_from_the_read_ahead_thread_itself(sources, tokenizer_dir):
     assert threading.active_count() <= before
     with pytest.raises(RuntimeError, match="closed"):
         next(it)
+
+
+# ----------------------------------------------------------------------------- files and misuse (issue 19)
+
+
+@pytest.mark.parametrize("name", ["state.pt", "state.json"])
+def test_save_state_is_atomic_and_resumes_exactly(sources, tokenizer_dir, tmp_path, monkeypatch, name):
+    """save_state/load_state round trip (torch.load weights_only or JSON); a write that fails midway (a full
+    disk) leaves the previous file whole and no temporary file."""
+    import errno
+    import os
+
+    import zephon_loader.state as state_module
+
+    cfg = config(sources, tokenizer_dir, 2)
+    with build_text_loader(cfg) as loader:
+        full = input_ids(collect(loader))
+    path = tmp_path / "deep" / name
+    with build_text_loader(cfg) as first:
+        it = iter(first)
+        for _ in range(3):
+            next(it)
+        first.save_state(path)
+        before = path.read_bytes()
+        next(it)
+        real_fsync = os.fsync
+
+        def full_disk(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(state_module.os, "fsync", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            first.save_state(path)
+        monkeypatch.setattr(state_module.os, "fsync", real_fsync)
+    assert path.read_bytes() == before, "the previous state was damaged by the failed save"
+    assert [p.name for p in path.parent.iterdir()] == [name], "a temporary file was left behind"
+    if name.endswith(".pt"):
+        torch.load(path, weights_only=True)
+    with build_text_loader(cfg) as resumed:
+        resumed.load_state(path)
+        rest = input_ids(collect(resumed))
+    assert len(rest) == len(full) - 3 and all(torch.equal(a, b) for a, b in zip(rest, full[3:]))
+    damaged = tmp_path / ("bad" + path.suffix)
+    damaged.write_bytes(before[: len(before) // 2])
+    with build_text_loader(cfg) as fresh:
+        with pytest.raises(ValueError, match=r"loader state .*bad.*unreadable"):
+            fresh.load_state(damaged)
+
+
+def test_load_state_dict_makes_a_live_iterator_stale(sources, tokenizer_dir):
+    """Loading a state while iterating: the old iterator must not go on with the old stream."""
+    cfg = config(sources, tokenizer_dir, 2)
+    with build_text_loader(cfg) as loader:
+        full = input_ids(collect(loader))
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        for _ in range(3):
+            next(it)
+        loader.load_state_dict(state)
+        with pytest.raises(RuntimeError, match=r"stale.*load_state_dict"):
+            next(it)
+        assert loader.state_dict() == state
+        rest = input_ids(collect(loader))
+    assert len(rest) == len(full) - 1 and all(torch.equal(a, b) for a, b in zip(rest, full[1:]))

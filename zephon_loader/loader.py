@@ -95,7 +95,10 @@ class ZephonLoader:
       row is lost or repeated). Any rank's state resumes any rank.
     * ``load_state_dict(state)``: checked now (format, configuration
       fingerprint, Zephon's schema and lane count, the accounting); applied
-      at the next ``iter()``. Its cost does not depend on the number of ranks.
+      at the next ``iter()``; a live iterator becomes stale (advancing it
+      raises ``RuntimeError``). Its cost does not depend on the number of
+      ranks. ``save_state(path)`` / ``load_state(path)``: the same through a
+      file written atomically.
     * ``close()`` / ``with``: stops the read-ahead thread and Zephon's
       workers, then runs ``on_close``. A loader dropped without ``close()``
       does the same when it is garbage-collected (``weakref.finalize``).
@@ -236,8 +239,9 @@ class ZephonLoader:
             if generation != self._generation:
                 raise RuntimeError(
                     f"ZephonLoader: this iterator is stale (pass {generation}; pass {self._generation} is current): "
-                    "a later iter(loader) or preview() restarted the stream; advance the newest iterator, "
-                    "or call iter(loader) once per pass"
+                    "a later iter(loader), preview() or load_state_dict() restarted the stream; advance the "
+                    "newest iterator, or call iter(loader) once per pass (after load_state_dict: iter(loader) "
+                    "resumes the loaded state)"
                 )
             if self._pass_over:
                 raise StopIteration
@@ -463,6 +467,31 @@ class ZephonLoader:
                 check_checkpoint=lambda checkpoint: self._source.validate_state({ZephonSource.STATE_KEY: checkpoint}),
                 stats=self._stats,
             )
+            self._generation += 1  # a live iterator would go on with the old stream: it is stale now
+
+    def save_state(self, path: str | Any) -> None:
+        """:meth:`state_dict` written to ``path`` atomically (a temporary file, fsync, rename).
+
+        JSON when the name ends in ``.json``, else ``torch.save`` (it loads
+        with ``torch.load(path, weights_only=True)``). A full disk or a signal
+        mid-write leaves the previous file at ``path`` whole. A collective
+        like ``state_dict()``: every rank calls it at the same step (every
+        rank's state is the same: one path on a shared disk, or one per rank).
+        """
+        from zephon_loader.state import save_state_file
+
+        save_state_file(path, self.state_dict())
+
+    def load_state(self, path: str | Any) -> None:
+        """:meth:`load_state_dict` of the file :meth:`save_state` wrote.
+
+        Raises:
+            FileNotFoundError: No file at ``path``.
+            ValueError: An unreadable file (naming it), or a state ``load_state_dict`` refuses.
+        """
+        from zephon_loader.state import read_state_file
+
+        self.load_state_dict(read_state_file(path))
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:

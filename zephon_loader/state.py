@@ -34,12 +34,14 @@ import copy
 import dataclasses
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from zephon_loader.stats import LoaderStats
 
-__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState"]
+__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "read_state_file", "save_state_file", "write_atomically",
+           "write_json_atomically"]
 
 #: Version tag of a saved state (its ``format``); bumped on incompatible changes.
 STATE_FORMAT = "zephon_loader.state/3"
@@ -247,20 +249,75 @@ def _checked_stats(saved: Any, stats: LoaderStats | None) -> dict[str, Any] | No
     return copy.deepcopy(dict(saved))
 
 
-def write_json_atomically(path: str | os.PathLike[str], document: Any) -> None:
-    """``document`` as JSON at ``path`` via a temporary file beside it, fsync and rename (parent folders made).
+def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], None], *, binary: bool = False) -> None:
+    """Write a file at ``path`` with ``write(handle)`` via a temporary file beside it, fsync and rename.
 
-    A failure (a full disk, a signal) leaves the previous file at ``path`` whole and no temporary file behind.
+    A failure (a full disk, a signal) leaves the previous file at ``path`` whole and no temporary file
+    behind; parent folders are made. The rename is made durable by an fsync of the folder.
     """
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(document, handle)
+        with open(temporary, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+        try:
+            descriptor = os.open(folder, os.O_RDONLY)
+        except OSError:  # a folder that cannot be opened (some network file systems): the rename stands
+            return
+        try:
+            os.fsync(descriptor)
+        except OSError:
+            pass
+        finally:
+            os.close(descriptor)
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+def write_json_atomically(path: str | os.PathLike[str], document: Any) -> None:
+    """``document`` as JSON at ``path``, atomically (:func:`write_atomically`)."""
+    write_atomically(path, lambda handle: json.dump(document, handle))
+
+
+def save_state_file(path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
+    """A loader state at ``path``, atomically: JSON when the name ends in ``.json``, else ``torch.save``
+    (loadable with ``torch.load(..., weights_only=True)``: plain dicts, lists, ints, strings)."""
+    if os.fspath(path).endswith(".json"):
+        write_json_atomically(path, state)
+        return
+    import torch
+
+    write_atomically(path, lambda handle: torch.save(dict(state), handle), binary=True)
+
+
+def read_state_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What :func:`save_state_file` wrote (``torch.load`` with ``weights_only=True`` unless it is JSON).
+
+    Raises:
+        FileNotFoundError: No file at ``path``.
+        ValueError: The file is neither (truncated, another format), naming the path.
+    """
+    path = os.fspath(path)
+    try:
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as handle:
+                state = json.load(handle)
+        else:
+            import torch
+
+            state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # json, pickle and zip errors of a damaged file
+        raise ValueError(f"loader state {path}: unreadable ({type(error).__name__}: {error}); expected a file "
+                         "written by ZephonLoader.save_state") from error
+    if not isinstance(state, dict):
+        raise ValueError(f"loader state {path}: holds {type(state).__name__}, expected the dict "
+                         "ZephonLoader.save_state writes")
+    return state
