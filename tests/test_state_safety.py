@@ -383,6 +383,7 @@ def test_load_state_dict_makes_a_live_iterator_stale(sources, tokenizer_dir):
     cfg = config(sources, tokenizer_dir, 2)
     with build_text_loader(cfg) as loader:
         full = input_ids(collect(loader))
+    with build_text_loader(cfg) as loader:
         it = iter(loader)
         next(it)
         state = loader.state_dict()
