@@ -159,7 +159,7 @@ def checkpoint_at(
     pipeline: Any,
     local: Mapping[str, Any],
     *,
-    extra: tuple[str, Any, Callable[[list[Any]], Any]] | None = None,
+    extra: tuple[str, Any, Callable[[list[Any]], Any]],
 ) -> tuple[dict[str, Any], Any]:
     """Zephon's checkpoint of the position ``local`` (a :func:`local_position`) describes. A collective.
 
@@ -182,7 +182,7 @@ def checkpoint_at(
 
     Returns:
         ``(checkpoint, merged extra)``; the extra is ``merge([value])`` on a
-        single rank and ``None`` without ``extra``.
+        single rank.
 
     Raises:
         RuntimeError: Zephon's coordinator failed (a timeout naming the missing ranks, unreadable storage).
@@ -196,14 +196,10 @@ def checkpoint_at(
     if not engine._takes_part_in_rounds():
         if engine._owned_lanes:
             engine._check_mid_window_counts(shard.get("lane_emitted") or {}, int(engine._world.canonical_replicas))
-        return shard, (extra[2]([extra[1]]) if extra is not None else None)
-    key = extra[0] if extra is not None else None
-    if extra is not None:
-        shard[key] = extra[1]
+        return shard, extra[2]([extra[1]])
+    key, shard[extra[0]] = extra[0], extra[1]
 
     def merge(shards: list[dict[str, Any]]) -> dict[str, Any]:
-        if key is None:
-            return engine._merge_state_dicts(shards)
         ordered = sorted(shards, key=lambda s: int(s["world"]["global_rank"]))
         values = [s.get(key) for s in ordered]
         merged = engine._merge_state_dicts([{k: v for k, v in s.items() if k != key} for s in shards])
@@ -220,7 +216,7 @@ def checkpoint_at(
         merge=merge,
     )
     merged = dict(merged)
-    value = merged.pop(key, None) if key is not None else None
+    value = merged.pop(key, None)
     return merged, value
 
 
