@@ -29,6 +29,7 @@ import torch
 from conftest import collect
 from zephon_loader import fields as F
 from zephon_loader.build import build_text_loader
+from zephon_loader.state import content_checksum
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,7 @@ def test_retired_malformed_and_other_lane_count_states_are_refused(sources, toke
     def refused(change, match):
         bad = json.loads(json.dumps(state))
         change(bad)
+        bad["checksum"] = content_checksum(bad)  # sealed again: these checks are behind the checksum
         with build_text_loader(cfg) as fresh:
             with pytest.raises(ValueError, match=match):
                 fresh.load_state_dict(bad)
@@ -161,11 +163,118 @@ def test_retired_malformed_and_other_lane_count_states_are_refused(sources, toke
     with build_text_loader(config(sources, tokenizer_dir, 2)) as one_lane:
         other = json.loads(json.dumps(state))
         other["fingerprint"] = json.loads(json.dumps(one_lane.fingerprint))
+        other["checksum"] = content_checksum(other)
         with pytest.raises(ValueError, match=r"zephon_checkpoint\.world\.canonical_replicas: saved 2, now 1"):
             one_lane.load_state_dict(other)
 
 
+def _first_int_path(node, path=()):
+    """The key path of the first int inside a nested state (a Zephon cursor or count)."""
+    if isinstance(node, bool):
+        return None
+    if isinstance(node, int):
+        return path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        found = _first_int_path(value, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def test_an_edited_or_damaged_state_is_refused_by_its_checksum(sources, tokenizer_dir, tmp_path):
+    """Before: pass_ended flipped to true mid-pass skipped the rest of the pass; a Zephon cursor moved by +3
+    resumed 1 batch and ended the pass. Both were accepted. Now the checksum refuses them in one line."""
+    cfg = config(sources, tokenizer_dir, 2)
+    with build_text_loader(cfg) as loader:
+        full = input_ids(collect(loader))
+    with build_text_loader(cfg) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        state = loader.state_dict()
+    assert state["checksum"].startswith("sha256:") and list(state)[-1] == "checksum"
+    cursor = _first_int_path(state["zephon_checkpoint"])
+    assert cursor is not None
+
+    def move_cursor(s):
+        node = s["zephon_checkpoint"]
+        for key in cursor[:-1]:
+            node = node[key]
+        node[cursor[-1]] += 3
+
+    edits = {
+        "pass_ended flipped": lambda s: s.update(pass_ended=True),
+        "cursor moved": move_cursor,
+        "skip changed": lambda s: s["skip"].update({"0": s["skip"].get("0", 0) + 1}),
+        "checksum removed": lambda s: s.pop("checksum"),
+        "checksum garbled": lambda s: s.update(checksum="sha256:" + "0" * 64),
+    }
+    for what, edit in edits.items():
+        bad = json.loads(json.dumps(state))
+        edit(bad)
+        with build_text_loader(cfg) as fresh:
+            with pytest.raises(ValueError, match=r"^state_dict\.checksum: (missing|the content does not match)") as caught:
+                fresh.load_state_dict(bad)
+        assert "\n" not in str(caught.value), what
+    # Round trips keep the checksum valid: JSON, torch.save (weights_only), save_state.
+    for name in ("s.json", "s.pt"):
+        with build_text_loader(cfg) as fresh:
+            fresh.load_state_dict(json.loads(json.dumps(state)) if name.endswith("json") else
+                                  torch.load(_saved(state, tmp_path / name), weights_only=True))
+            assert [torch.equal(a, b) for a, b in zip(input_ids(collect(fresh)), full[4:])] == [True] * (len(full) - 4)
+    # A state of the previous format (the same layout, no checksum) still resumes, with a warning.
+    legacy = {key: value for key, value in json.loads(json.dumps(state)).items() if key != "checksum"}
+    legacy["format"] = "zephon_loader.state/3"
+    with build_text_loader(cfg) as fresh:
+        with pytest.warns(UserWarning, match=r"carries no checksum"):
+            fresh.load_state_dict(legacy)
+        assert len(collect(fresh)) == len(full) - 4
+
+
+def _saved(state, path):
+    torch.save(state, path)
+    return path
+
+
 # ----------------------------------------------------------------------------- threads
+
+
+def test_one_iterator_from_two_threads_at_once_is_a_clear_error(sources, tokenizer_dir):
+    """Before: two threads advancing one iterator raised KeyError('delivered') from inside the loader (when the
+    issue was filed), then split the stream between them without a word (each got every other batch). Now a
+    second thread entering next() while the first is inside gets one clear RuntimeError; the first thread's
+    batch and the stream after it are unharmed, and handing the iterator to another thread in turn works."""
+    inside, release = threading.Event(), threading.Event()
+    calls = []
+
+    def wrapper(collate):  # AutoModel-style; with read_ahead 0 the wrapped collate runs inside the consumer's next()
+        def wrapped(batch):
+            calls.append(1)
+            if len(calls) == 2:
+                inside.set()
+                assert release.wait(60)
+            return collate(batch)
+        return wrapped
+
+    cfg = config(sources, tokenizer_dir, 0)
+    with build_text_loader(cfg) as loader:
+        full = input_ids(collect(loader))
+    with build_text_loader(cfg, collate_wrapper=wrapper) as loader:
+        it = iter(loader)
+        got = [next(it)[F.INPUT_IDS]]
+        first = threading.Thread(target=lambda: got.append(next(it)[F.INPUT_IDS]))
+        first.start()
+        assert inside.wait(60)
+        with pytest.raises(RuntimeError, match=r"next\(\) called from thread .* while another thread .* inside next\(\)"
+                                               r".*one consumer at a time"):
+            next(it)
+        release.set()
+        first.join(60)
+        later = threading.Thread(target=lambda: got.extend(b[F.INPUT_IDS] for b in it))  # handed on: fine
+        later.start()
+        later.join(120)
+    assert len(got) == len(full) and all(torch.equal(a, b) for a, b in zip(got, full))
 
 
 @pytest.mark.parametrize("read_ahead", [0, 2])

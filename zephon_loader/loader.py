@@ -104,7 +104,7 @@ class ZephonLoader:
       does the same when it is garbage-collected (``weakref.finalize``).
 
     State layout: :class:`~zephon_loader.state.LoaderState` (format
-    :data:`~zephon_loader.state.STATE_FORMAT`, ``"zephon_loader.state/2"``).
+    :data:`~zephon_loader.state.STATE_FORMAT`).
 
     Args:
         source: The Zephon source node (owned: closed with the loader).
@@ -163,6 +163,8 @@ class ZephonLoader:
             stats.owned_lanes = self._lanes.owned_lanes()
         # Lock order: _consume_lock -> _state_lock -> (ReadAhead's own locks).
         self._consume_lock = threading.RLock()  # one next() at a time; iter()/preview()/close() wait for it
+        self._next_guard = threading.Lock()  # guards _next_thread
+        self._next_thread: int | None = None  # the thread inside next(): another one entering is refused
         self._state_lock = threading.RLock()  # state_dict / load_state_dict / iter() / close()
         self._generation = 0  # bumped by iter() and preview(): older iterators are stale
         self._started = False  # the node has been reset for a pass
@@ -234,6 +236,25 @@ class ZephonLoader:
             return _Pass(self, self._generation)
 
     def _next(self, generation: int) -> dict[str, Any]:
+        me = threading.get_ident()
+        with self._next_guard:
+            inside = self._next_thread
+            if inside is not None and inside != me:
+                raise RuntimeError(
+                    f"ZephonLoader: next() called from thread {threading.current_thread().name!r} while another "
+                    f"thread (id {inside}) is inside next() of the same loader; expected one consumer at a time: "
+                    "each batch would go to whichever thread asked first, so neither sees the stream in order. "
+                    "Consume a loader from one thread (hand batches on through a queue), or build one loader "
+                    "per consumer (each its own data-parallel rank)"
+                )
+            self._next_thread = me
+        try:
+            return self._next_batch(generation)
+        finally:
+            with self._next_guard:
+                self._next_thread = None
+
+    def _next_batch(self, generation: int) -> dict[str, Any]:
         with self._consume_lock:
             self._check_open()
             if generation != self._generation:

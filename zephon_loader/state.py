@@ -6,7 +6,7 @@ returns ``LoaderState.to_dict()`` and
 ``LoaderState.from_dict(...)`` until the next ``iter()``. The dict is JSON- and
 pickle-safe (plain dicts, lists, ints, bools, strings)::
 
-    {"format": "zephon_loader.state/3",
+    {"format": "zephon_loader.state/4",
      "fingerprint": {...},                 # what fixes the stream (the builders)
      "epoch": int,                         # the epoch of the checkpoint (absent: 0)
      "pass_ended": bool,                   # the epoch's pass was read to its end (absent: False)
@@ -17,7 +17,8 @@ pickle-safe (plain dicts, lists, ints, bools, strings)::
      "carried": [{"epoch", "zephon_checkpoint", "skip"}, ...],  # earlier epochs' pipelines this pass
                                            # still reads first (ranks ended a pass early); usually []
      "carry": [...],                       # the same, as the pass began (pass_ended: as the next begins)
-     "stats": {...} | None}                # LoaderStats.state_dict(), every lane; None without accounting
+     "stats": {...} | None,                # LoaderStats.state_dict(), every lane; None without accounting
+     "checksum": "sha256:<64 hex>"}        # over the canonical JSON of every other key (content_checksum)
 
 The state holds no batch and nothing tied to a rank: it is the same on every
 rank of a job, and its size does not depend on the number of ranks (beyond
@@ -32,19 +33,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from zephon_loader.stats import LoaderStats
 
-__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "read_state_file", "save_state_file", "write_atomically",
-           "write_json_atomically"]
+__all__ = ["UNCHECKED_FORMATS", "RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum",
+           "read_state_file", "save_state_file", "write_atomically", "write_json_atomically"]
 
 #: Version tag of a saved state (its ``format``); bumped on incompatible changes.
-STATE_FORMAT = "zephon_loader.state/3"
+STATE_FORMAT = "zephon_loader.state/4"
+#: Earlier formats still resumed: the same layout without ``checksum`` (a warning says it is unchecked).
+UNCHECKED_FORMATS = {"zephon_loader.state/3"}
 #: Earlier formats, with why they cannot be resumed.
 RETIRED_FORMATS = {
     "zephon_loader.state/2": (
@@ -86,6 +91,9 @@ class LoaderState:
             a state whose pass ended, what the next pass reads first.
         stats: :meth:`LoaderStats.state_dict` of the delivered counts, every
             lane's, or ``None`` for a loader built without accounting.
+
+    :meth:`to_dict` adds ``checksum`` (:func:`content_checksum` of the other
+    keys); :meth:`from_dict` refuses a state whose content no longer matches it.
     """
 
     format: str = STATE_FORMAT
@@ -99,8 +107,11 @@ class LoaderState:
     stats: dict[str, Any] | None
 
     def to_dict(self) -> dict[str, Any]:
-        """The state as a plain dict, one key per field in field order; the values are this state's own (not copied)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        """The state as a plain dict, one key per field in field order, then ``checksum``; the values are this
+        state's own (not copied)."""
+        state = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        state["checksum"] = content_checksum(state)
+        return state
 
     @classmethod
     def from_dict(
@@ -116,7 +127,8 @@ class LoaderState:
 
         Checked in this order: a non-empty mapping; ``format`` (a retired one
         says why it cannot be resumed); ``fingerprint`` (the differing keys are
-        named, at most 6); ``zephon_checkpoint`` (a mapping that Zephon's
+        named, at most 6); ``checksum`` (the content is what ``to_dict`` made:
+        not edited, truncated or damaged since); ``zephon_checkpoint`` (a mapping that Zephon's
         schema accepts, with ``canonical_replicas`` lanes, or ``None``);
         ``epoch``; ``pass_ended``; ``skip`` (lanes in range, counts >= 0);
         ``stats``.
@@ -135,7 +147,7 @@ class LoaderState:
         Raises:
             TypeError: Not a mapping.
             ValueError: Empty, another or a retired format, another
-                fingerprint, a corrupt Zephon checkpoint or one with another
+                fingerprint, content that does not match its checksum, a corrupt Zephon checkpoint or one with another
                 lane count, a malformed epoch, pass_ended or stats. Each
                 message names the field.
         """
@@ -149,7 +161,7 @@ class LoaderState:
                 "to start from the beginning, do not call load_state_dict"
             )
         format_ = state.get("format")
-        if format_ != STATE_FORMAT:
+        if format_ != STATE_FORMAT and format_ not in UNCHECKED_FORMATS:
             why = RETIRED_FORMATS.get(format_) if isinstance(format_, str) else None
             raise ValueError(
                 f"state_dict.format: got {format_!r}, expected {STATE_FORMAT!r}; "
@@ -168,6 +180,7 @@ class LoaderState:
                 f"state_dict.fingerprint: the state was saved by a loader with a different configuration ({details}); "
                 "resume with the configuration it was saved with"
             )
+        _check_integrity(state, format_)
         if "zephon_checkpoint" not in state:
             raise ValueError(
                 "state_dict.zephon_checkpoint: missing, no Zephon checkpoint found; expected the dict returned by "
@@ -235,6 +248,52 @@ class LoaderState:
             carried=chains["carried"],
             carry=chains["carry"],
             stats=_checked_stats(state.get("stats"), stats),
+        )
+
+
+def content_checksum(state: Mapping[str, Any]) -> str:
+    """``"sha256:<64 hex>"`` of a state's keys other than ``checksum``, as canonical JSON (keys sorted, no
+    spaces): the same before and after a JSON or ``torch.save`` round trip (tuples and lists read alike).
+
+    Raises:
+        ValueError: A value JSON cannot hold (a state is plain dicts, lists, numbers, strings).
+    """
+    body = _with_string_keys({key: value for key, value in state.items() if key != "checksum"})
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"state_dict: holds a value that is not plain JSON ({error}); expected the dict "
+                         "returned by ZephonLoader.state_dict()") from error
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _with_string_keys(node: Any) -> Any:
+    """``node`` with every mapping key as JSON writes it (``1`` -> ``"1"``), so keys sort the same after a
+    JSON round trip as before it."""
+    if isinstance(node, Mapping):
+        return {json.dumps(key) if not isinstance(key, str) else key: _with_string_keys(value)
+                for key, value in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_with_string_keys(value) for value in node]
+    return node
+
+
+def _check_integrity(state: Mapping[str, Any], format_: str) -> None:
+    """Refuse a state whose content is not what :meth:`LoaderState.to_dict` made (an unchecked format warns)."""
+    if format_ in UNCHECKED_FORMATS:
+        warnings.warn(f"state_dict.format: {format_!r} carries no checksum, so an edit or damage since it was "
+                      "saved cannot be detected; the next state saved is checked", stacklevel=4)
+        return
+    saved = state.get("checksum")
+    if saved is None:
+        raise ValueError("state_dict.checksum: missing; expected the checksum ZephonLoader.state_dict() adds "
+                         "(the state is truncated or was edited); resume from an intact copy of the saved state")
+    computed = content_checksum(state)
+    if saved != computed:
+        raise ValueError(
+            f"state_dict.checksum: the content does not match its checksum (saved {str(saved)[:23]!r}..., content "
+            f"{computed[:23]!r}...): the state was edited or damaged after ZephonLoader.state_dict() made it; "
+            "resume from an intact copy (a state is read, never edited)"
         )
 
 
