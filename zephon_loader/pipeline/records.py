@@ -8,8 +8,11 @@ record:
 
 * :class:`CheckRawRecords` before tokenization (text and chat input): the
   record is a JSON object, the text (or messages) field is there and has the
-  right type, chat contents hold no special-token strings, the record is not
-  larger than ``max_record_bytes``.
+  right type and is valid UTF-8 (an undecodable shard byte or a JSON-escaped
+  lone surrogate is ``not_utf8``, see :mod:`~zephon_loader.pipeline.jsonl_text`),
+  chat contents hold no special-token strings, the record is not larger than
+  ``max_record_bytes`` (default 4 MiB: a larger text would take the tokenizer
+  many seconds to minutes, in one call that nothing can interrupt).
 * :class:`CheckTokens` after tokenization (every mode): token ids are a
   non-empty 1-D integer list inside the vocabulary, per-token fields (loss
   mask, eligibility) are as long as the tokens, the record is not longer than
@@ -45,6 +48,7 @@ import numpy as np
 
 from zephon_loader import fields as F
 from zephon_loader.errors import BadRecordError
+from zephon_loader.pipeline import jsonl_text
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
 from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 
@@ -60,9 +64,15 @@ __all__ = [
     "VALIDATION_KEY",
     "describe",
     "missing_field",
+    "utf8_size",
 ]
 
 logger = logging.getLogger("zephon_loader.pipeline.records")
+
+# Zephon's JSONL reader decodes undecodable bytes as lone surrogates (instead of raising at build, without a
+# location): the text checks below name such records and follow on_bad_record. Here, so that Zephon's worker
+# processes (which import this module to unpickle the checks) read shards the same way.
+jsonl_text.install()
 
 #: What ``on_bad_record`` may say about a bad record.
 BAD_RECORD_POLICIES = ("error", "skip")
@@ -78,6 +88,7 @@ REASONS: dict[str, str] = {
     "token_out_of_range": "a pretokenized id is negative or not below the vocabulary size",
     "misaligned_field": "a per-token field is not as long as the token ids",
     "empty": "nothing to train on (empty text or no token ids)",
+    "not_utf8": "the text is not valid UTF-8 (an undecodable byte in the shard, or a JSON-escaped lone surrogate)",
     "too_many_bytes": "the text is larger than max_record_bytes",
     "too_many_tokens": "the record has more tokens than max_record_tokens",
 }
@@ -281,17 +292,25 @@ class CheckRawRecords(RecordOperator):
             if not isinstance(value, str):
                 return None, ("wrong_type", field, self.describe(value), "a string",
                               "Store the document text as one JSON string.")
-            size = len(value.encode("utf-8"))
+            size, problem = utf8_size(field, value)
+            if problem is not None:
+                return None, problem
             if not value.strip():
                 return None, ("empty", field, self.describe(value), "non-blank text", "Remove empty records.")
         else:
             problem = self._check_messages(value)
             if problem is not None:
                 return None, problem
-            size = sum(len(m["content"].encode("utf-8")) for m in value)
+            size = 0
+            for i, message in enumerate(value):
+                n, problem = utf8_size(f"{field}[{i}].content", message["content"])
+                if problem is not None:
+                    return None, problem
+                size += n
         if self.max_record_bytes is not None and size > self.max_record_bytes:
             return None, ("too_many_bytes", field, f"{size} bytes", f"at most max_record_bytes={self.max_record_bytes}",
-                          "Split the document, or raise max_record_bytes.")
+                          "Split the document, or raise max_record_bytes (null: no limit; tokenizing takes about "
+                          "1-2 s per MB of text, on one core, in one call).")
         return payload, None
 
     def sample_payload(self) -> dict[str, Any]:
@@ -398,6 +417,27 @@ class CheckTokens(RecordOperator):
             if name is not None:
                 payload[name] = [1, 1, 1]
         return payload
+
+
+def utf8_size(field: str, text: str) -> tuple[int, Problem | None]:
+    """``(UTF-8 size of text, None)``, or ``(0, not_utf8 problem)`` for text holding a lone surrogate.
+
+    A lone surrogate comes from a JSON escape of half a UTF-16 pair (``"\\ud800"``), or, with
+    :mod:`~zephon_loader.pipeline.jsonl_text` installed, from a shard byte that is not UTF-8
+    (``0xNN`` read as ``U+DCNN``); neither can be encoded, so the tokenizer would fail on it.
+    """
+    try:
+        return len(text.encode("utf-8")), None
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            seen = (f"the byte 0x{code - 0xDC00:02x} at character {error.start}, which is not UTF-8 "
+                    f"(or a JSON escape \\u{code:04x} there)")
+        else:
+            seen = f"a lone surrogate \\u{code:04x} at character {error.start} (a JSON escape of half a UTF-16 pair)"
+        return 0, ("not_utf8", field, seen, "text that is valid UTF-8",
+                   "Re-encode the shard as UTF-8 (e.g. iconv -f <its encoding> -t utf-8) and write JSON escapes of "
+                   "whole surrogate pairs only, or remove the record.")
 
 
 def _int_array(raw: Any) -> np.ndarray | None:
