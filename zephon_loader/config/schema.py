@@ -29,6 +29,14 @@ from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, PackingContr
 PACKING_ALGORITHMS = ("first_fit", "best_fit", "wrap", "best_fit_wrap")
 #: A path starting with this prefix resolves inside the installed package's ``data/`` folder.
 PACKAGE_DATA_PREFIX = "pkg://"
+#: Default ``max_record_bytes``: 4 MiB of text, about 1M tokens of a real tokenizer (longer than any context)
+#: and about 5 s of tokenizing in one call that nothing interrupts (a 50 MB record made no progress in 900 s).
+DEFAULT_MAX_RECORD_BYTES = 4 * 1024 * 1024
+#: Most tokens one batch may hold (``micro_batch_size * sequence_length``): 2**27, about 4.4 GB per batch.
+MAX_BATCH_TOKENS = 2**27
+#: Bytes per token of a delivered text batch: ``input_ids``, ``labels``, ``position_ids`` and
+#: ``document_ids`` as int64, ``padding_mask`` as bool.
+BATCH_BYTES_PER_TOKEN = 4 * 8 + 1
 
 
 @dataclass(frozen=True)
@@ -226,7 +234,8 @@ class LoaderConfig:
     Attributes:
         sources: One or more weighted shard folders.
         sequence_length: Model sequence length ``S``.
-        micro_batch_size: Rows per batch ``B``.
+        micro_batch_size: Rows per batch ``B``; ``B * S`` is at most 2**27 tokens
+            (a batch holds 33 bytes per token: 4.4 GB at that bound).
         contract: The model's contract; ``None`` = AutoModel's default (block-causal).
         xdoc: Cross-document attention inside each row.
         return_packed_sequence_metadata: Also yield the gathered-token bundle.
@@ -334,6 +343,7 @@ class LoaderConfig:
             if value is not None and value <= 0:
                 optional = "." in name or type(None) in typing.get_args(hints.get(name))
                 raise ValueError(f"dataloader.{name}: got {value}, expected an int > 0" + (" or null" if optional else ""))
+        self._check_batch_size()
         if self.passes is not None and self.passes <= 0:
             raise ValueError(f"dataloader.passes: got {self.passes}, expected an int > 0 or null (endless)")
         if self.mixture == "once" and self.passes != 1:
@@ -343,6 +353,19 @@ class LoaderConfig:
             raise ValueError(f"dataloader.seed: got {self.seed}, expected an int >= 0")
         if self.read_ahead < 0:
             raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
+
+    def _check_batch_size(self) -> None:
+        """Refuse a batch no machine holds (``10**9`` tokens failed only at the first batch, in the allocator)."""
+        tokens = self.micro_batch_size * self.sequence_length
+        if tokens > MAX_BATCH_TOKENS:
+            size = tokens * BATCH_BYTES_PER_TOKEN
+            raise ValueError(
+                f"dataloader.micro_batch_size * sequence_length: got {self.micro_batch_size} * {self.sequence_length}"
+                f" = {tokens} tokens per batch, expected at most {MAX_BATCH_TOKENS} (2**27): one batch holds "
+                f"{BATCH_BYTES_PER_TOKEN} bytes per token (input_ids, labels, position_ids, document_ids as int64, "
+                f"padding_mask as bool), {size / 2**30:.1f} GiB here, and read_ahead and Zephon's prefetch keep "
+                "several in memory. Lower sequence_length or micro_batch_size."
+            )
 
     def _check_record_section(self) -> None:
         """The checks of the kind's own fields (combinations the typed reader cannot see)."""
@@ -382,7 +405,8 @@ class TextLoaderConfig(LoaderConfig):
         pad_token_id: Pad id for packing (default: the tokenizer's pad, else its
             EOS); needed for pretokenized input without a tokenizer.
         max_record_bytes: Texts larger than this many UTF-8 bytes are bad records,
-            refused before tokenizing (``None``: no limit).
+            refused before tokenizing (default 4 MiB, about 1M tokens and 5 s of
+            tokenizing in one call; ``None``: no limit, a 50 MB text then takes minutes).
         runtime: See :class:`RuntimeConfig`.
     """
 
@@ -392,7 +416,7 @@ class TextLoaderConfig(LoaderConfig):
     eos_mask_loss: bool = False
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    max_record_bytes: int | None = None
+    max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def positive_ints(self) -> dict[str, int | None]:
