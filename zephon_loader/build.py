@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import shutil
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping
@@ -27,6 +26,7 @@ from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.pipeline.text import DataParallel
 from zephon_loader.stages import ImageStage, Stage, TextStage
 from zephon_loader.stats import CountingCollate, LoaderStats
+from zephon_loader.workdirs import make_work_dir
 
 __all__ = ["build_image_loader", "build_loader", "build_text_loader", "data_parallel",
            "epoch_run_id_suffix", "epoch_seed", "resolve_contract", "stream_fingerprint"]
@@ -81,7 +81,7 @@ def build_loader(
             stage.prepare(owned)
             if stage.attention_eligibility != eligibility:  # refuses contracts that cannot exclude a token in a record
                 settings = finalize(attention_eligibility=stage.attention_eligibility)
-            work_dir = tempfile.mkdtemp(prefix=stage.work_prefix)
+            work_dir = make_work_dir(stage.work_prefix)  # swept at the next build if this process dies
             owned.append(work_dir)
             built = stage.build_pipeline(work_dir=work_dir, dp=dp)
     except BaseException:

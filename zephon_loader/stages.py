@@ -24,7 +24,6 @@ A stage is built per loader and holds what its ``prepare`` loaded.
 
 from __future__ import annotations
 
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -40,6 +39,7 @@ from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.pipeline.image_records import IMAGE_REASONS
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
 from zephon_loader.pipeline.text import DataParallel, build_pipeline
+from zephon_loader.workdirs import make_work_dir
 
 __all__ = ["ImageStage", "Stage", "TextStage", "resolve_processor"]
 
@@ -249,7 +249,7 @@ def _save_recipe_tokenizer(tokenizer: Any) -> str:
             f"tokenizer: got {type(tokenizer).__name__} without save_pretrained; expected a Hugging Face tokenizer, "
             "or set dataloader.tokenizer.path to a local tokenizer folder"
         )
-    folder = tempfile.mkdtemp(prefix="zephon_loader_tokenizer_")
+    folder = make_work_dir("zephon_loader_tokenizer_")  # swept at the next build if this process dies
     tokenizer.save_pretrained(folder)
     return folder
 
