@@ -68,6 +68,7 @@ import multiprocessing.forkserver
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ __all__ = [
     "DEFAULT_START_METHOD",
     "FORKSERVER_PRELOAD",
     "KILL_WAIT_S",
+    "MAIN_GUARD_ADVICE",
     "WORKER_GRACE_S",
     "WorkerContext",
     "contain_workers",
@@ -101,6 +103,10 @@ _ORPHANED_EXIT = 1
 _CONTEXT_ATTR = "_zephon_loader_context"
 #: Attribute of a fork-server process object carrying the parent's environment at ``start()``.
 _ENVIRON_ATTR = "_zephon_loader_environ"
+#: Attribute of a process object holding the write end of the pipe its ``run()`` says it began on.
+_RUNNING_ATTR = "_zephon_loader_running"
+#: The README's advice for scripts that use the process runner (its configuration table, ``runtime.runner``).
+MAIN_GUARD_ADVICE = 'scripts need an `if __name__ == "__main__"` guard (README, `runtime.runner`: `process`).'
 
 _HAVE_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 
@@ -132,10 +138,18 @@ class _ContainedProcess:
             # The fork server's environment is the parent's when the server started; a spawned
             # worker would get the parent's environment of now. Carry that to the worker.
             setattr(self, _ENVIRON_ATTR, dict(os.environ))
-        super().start()  # type: ignore[misc]
+        running, running_w = multiprocessing.connection.Pipe(duplex=False)
+        setattr(self, _RUNNING_ATTR, running_w)  # the child sends on it as its run() begins
+        try:
+            super().start()  # type: ignore[misc]
+        finally:
+            self.__dict__.pop(_RUNNING_ATTR, None)
+            running_w.close()  # the child has its own copy by now
         context = self.__dict__.get(_CONTEXT_ATTR)
         if context is not None:
             context._started(self)
+        with running:
+            _wait_until_running(self, running)
 
     def run(self) -> None:
         environ = self.__dict__.pop(_ENVIRON_ATTR, None)
@@ -143,12 +157,50 @@ class _ContainedProcess:
             os.environ.clear()
             os.environ.update(environ)
         _contain_this_process()
+        running = self.__dict__.pop(_RUNNING_ATTR, None)
+        if running is not None:
+            with running:
+                running.send_bytes(b"running")
         super().run()  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop(_CONTEXT_ATTR, None)  # the registry stays in the parent
         return state
+
+
+def _wait_until_running(process: BaseProcess, running: multiprocessing.connection.Connection) -> None:
+    """In the parent, after ``start()``: return once ``process`` began its ``run()``, or raise if it exited first.
+
+    Under ``spawn`` and ``forkserver`` a new worker first re-runs the main module's top-level code (as
+    ``__mp_main__``), then unpickles its task. A worker that exits there never tells Zephon anything, and the
+    training loop would wait for its batches forever (a script without the ``__main__`` guard: every worker
+    re-runs the training script and fails). A worker SIGKILLed meanwhile (a shutdown began) is left to Zephon.
+    """
+    multiprocessing.connection.wait([running, process.sentinel])
+    try:
+        if running.poll(0) and running.recv_bytes():  # poll() is also true at EOF (the child closed it unsent)
+            return
+    except EOFError:
+        pass
+    process.join(KILL_WAIT_S)  # exited: its sentinel is ready, the status is there
+    code = process.exitcode
+    if code == -signal.SIGKILL:
+        return
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    method = process._start_method  # type: ignore[attr-defined]
+    if main is not None and method in ("spawn", "forkserver"):
+        where = (f"a new worker first re-runs the main module {main} (the {method!r} start method runs its "
+                 "top-level code again in every worker, as '__mp_main__'), then unpickles its task, and one of these "
+                 "failed")
+    else:
+        where = "it failed to unpickle its task"
+    raise RuntimeError(
+        f"runtime.runner 'process': worker process {process.pid} exited with status {code} before it began its "
+        f"work: {where}; its error is printed above. Expected: {MAIN_GUARD_ADVICE} Fix: build and iterate the loader "
+        "in a function called under `if __name__ == \"__main__\":` (the training script runs again in every "
+        "worker otherwise), or set `runtime: {runner: threads}`."
+    )
 
 
 class _SpawnWorker(_ContainedProcess, mp_context.SpawnProcess):
@@ -200,10 +252,14 @@ def _kill(worker: _Worker) -> None:
 
 
 def _preload_fork_server() -> None:
-    """Add :data:`FORKSERVER_PRELOAD` to the fork server's preload list (before it starts; kept after)."""
+    """Put :data:`FORKSERVER_PRELOAD` first in the fork server's preload list (before it starts; kept after).
+
+    First: :mod:`~zephon_loader.nodes.worker_preload` makes the fork server exit with its parent while it
+    imports the modules after it, too.
+    """
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     current = list(getattr(server, "_preload_modules", None) or [])
-    multiprocessing.set_forkserver_preload(current + [m for m in FORKSERVER_PRELOAD if m not in current])
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD) + [m for m in current if m not in FORKSERVER_PRELOAD])
 
 
 class WorkerContext(mp_context.BaseContext):
@@ -251,7 +307,19 @@ class WorkerContext(mp_context.BaseContext):
         return self._grace_s
 
     def Process(self, *args: Any, **kwargs: Any) -> BaseProcess:  # noqa: N802 - multiprocessing's name
-        """A process of this context's start method, contained; registered when it starts."""
+        """A process of this context's start method, contained; registered when it starts.
+
+        Raises:
+            RuntimeError: Called in a worker that is still re-running the main module (a script without the
+                ``__main__`` guard builds and iterates a ``process``-runner loader at its top level).
+        """
+        if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own flag
+            raise RuntimeError(
+                "runtime.runner 'process': a worker process is starting Zephon workers of its own while it re-runs "
+                f"the main module {getattr(sys.modules.get('__mp_main__'), '__file__', None) or '(unknown)'} "
+                f"(as '__mp_main__'). Expected: {MAIN_GUARD_ADVICE} Fix: build and iterate the loader in a function "
+                "called under `if __name__ == \"__main__\":`."
+            )
         if self._name == "forkserver" and not self._preloaded:
             _preload_fork_server()
             self._preloaded = True
