@@ -3,7 +3,9 @@
     python tests/process_trainer.py CONFIG.json
 
 ``CONFIG.json`` holds the ``dataloader`` mapping given to
-:func:`zephon_loader.build_text_loader`. Passes repeat until interrupted. It
+:func:`zephon_loader.build_text_loader`; the fork server also preloads the
+modules named in ``$PROCESS_TRAINER_PRELOAD`` (:data:`PRELOAD_ENV`). Passes
+repeat until interrupted. It
 prints, one line each, flushed:
 
 * ``first <s>``: seconds from start to the first batch;
@@ -36,6 +38,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+
+#: Environment variable: comma-separated modules the fork server preloads too (``set_forkserver_preload``).
+PRELOAD_ENV = "PROCESS_TRAINER_PRELOAD"
 
 
 def session_processes(session: int) -> list[tuple[int, int, str]]:
@@ -102,12 +108,13 @@ class TrainerProcess:
     Args:
         config: The ``dataloader`` mapping.
         folder: Where the config file is written.
+        env: Environment variables to set in it (e.g. ``TMPDIR``, :data:`PRELOAD_ENV`).
     """
 
-    def __init__(self, config: dict[str, Any], folder: Path) -> None:
+    def __init__(self, config: dict[str, Any], folder: Path, env: dict[str, str] | None = None) -> None:
         path = Path(folder) / "process_trainer_config.json"
         path.write_text(json.dumps(config))
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,7 +128,7 @@ class TrainerProcess:
         for line in self.proc.stdout:  # type: ignore[union-attr]
             self._lines.put(line.rstrip("\n"))
 
-    def wait_for(self, prefix: str, timeout: float = 120.0) -> str:
+    def wait_for(self, prefix: str, timeout: float = 300.0) -> str:
         """The next output line starting with ``prefix``; ``AssertionError`` with the output so far after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
@@ -161,6 +168,10 @@ def main(config_path: str) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
+    if os.environ.get(PRELOAD_ENV):
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(os.environ[PRELOAD_ENV].split(","))
     from zephon_loader import build_text_loader
 
     with open(config_path) as handle:

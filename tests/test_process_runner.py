@@ -12,8 +12,12 @@
   the environment of the moment they start (as spawned ones would).
 
 Measured figures (first batch, ``close()``, exits, orphans, before and after)
-are printed by ``benchmarks/bench_process_runner.py``; the bounds asserted here
-only catch hangs and the old timeouts. Linux only (``/proc``, pidfds).
+are printed by ``benchmarks/bench_process_runner.py``. The bounds asserted here
+hold on a busy machine (the file passes beside two CPU burners on 2 cores):
+waits end on the event they wait for, and a time bound only catches a hang
+(:data:`HANG_BOUND_S`) or, where the old code waited out Zephon's fixed 10 s
+timeouts, the time the grace period takes (:data:`GONE_BOUND_S`). Linux only
+(``/proc``, pidfds).
 """
 
 from __future__ import annotations
@@ -34,8 +38,14 @@ from process_trainer import StallFrom, TrainerProcess, exit_zero_if_environ, loa
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and pidfds")
 
-#: Generous bound on ``close()`` (measured 1.3-1.6 s idle, 3.6 s with a load of 12 on 2 cores).
-CLOSE_BOUND_S = 10.0
+#: Bound that only catches a hang: on ``close()`` (measured 1.3-1.6 s idle, 2.5-3.9 s beside two CPU burners on
+#: 2 cores, 16-22 s on a busier machine), on the trainer's processes to be gone after it exited (well under 1 s).
+HANG_BOUND_S = 120.0
+#: Bound on a worker stuck in an operator to be gone once ``close()`` began: the grace period (1 s) and a SIGKILL
+#: (measured 1.1-1.6 s, beside two CPU burners too); uncontained, Zephon waits 5 s and then 10 s per worker.
+GONE_BOUND_S = 10.0
+#: Bound on a first batch (10 s on idle cores, 17-55 s on busy ones under ``spawn``; 3.5-5 s with the fork server).
+FIRST_BATCH_BOUND_S = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +61,8 @@ def test_sigkilled_trainer_leaves_no_worker(text_dir: Path, tokenizer_dir: Path,
         assert workers, "the process runner started no worker process"
         trainer.proc.send_signal(signal.SIGKILL)
         assert trainer.proc.wait(30) == -signal.SIGKILL
-        left = trainer.session_left_after(10.0)
-        assert not left, f"processes left 10 s after the trainer was SIGKILLed: {left}"
+        left = trainer.session_left_after(HANG_BOUND_S)
+        assert not left, f"processes left {HANG_BOUND_S} s after the trainer was SIGKILLed: {left}"
     finally:
         trainer.kill_session()
 
@@ -63,15 +73,15 @@ def test_ctrl_c_reaches_the_loop_and_close_ends_every_worker(text_dir: Path, tok
         trainer.wait_for("step 2")
         workers = trainer.workers()
         os.killpg(trainer.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        trainer.wait_for("interrupted", timeout=CLOSE_BOUND_S)
+        trainer.wait_for("interrupted", timeout=HANG_BOUND_S)
         alive = int(trainer.wait_for("alive").split()[1])
         assert alive == len(workers), f"{len(workers) - alive} of {len(workers)} workers died of the SIGINT"
-        closed = float(trainer.wait_for("closed", timeout=CLOSE_BOUND_S).split()[1])
-        assert closed < CLOSE_BOUND_S
+        closed = float(trainer.wait_for("closed", timeout=HANG_BOUND_S).split()[1])
+        assert closed < HANG_BOUND_S
         assert trainer.wait_for("left") == "left 0"
-        assert trainer.proc.wait(30) == 0
-        left = trainer.session_left_after(5.0)
-        assert not left, f"processes left 5 s after the trainer exited: {left}"
+        assert trainer.proc.wait(HANG_BOUND_S) == 0
+        left = trainer.session_left_after(HANG_BOUND_S)
+        assert not left, f"processes left {HANG_BOUND_S} s after the trainer exited: {left}"
     finally:
         trainer.kill_session()
 
@@ -98,23 +108,34 @@ def test_close_after_a_loop_error_with_a_stuck_worker(tmp_path: Path, corpus_tex
 
     reader = threading.Thread(target=read_two, daemon=True)  # a test that cannot hang if the stall came early
     reader.start()
-    reader.join(60.0)
+    reader.join(FIRST_BATCH_BOUND_S)
+    gone: list[float] = []
     try:
-        assert not reader.is_alive(), "no two batches within 60 s"
+        assert not reader.is_alive(), f"no two batches within {FIRST_BATCH_BOUND_S} s"
         time.sleep(1.0)  # Zephon reads ahead: a transform worker is inside doc150 by now
         assert contained.live_pids()
         started = time.monotonic()
+
+        def watch() -> None:  # when the last worker is gone, however long close() itself takes on a busy machine
+            while contained.live_pids():
+                time.sleep(0.01)
+            gone.append(time.monotonic() - started)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         with pytest.raises(RuntimeError, match="loop body"):
             with source:
                 raise RuntimeError("error in the loop body")
         took = time.monotonic() - started
+        watcher.join(HANG_BOUND_S)
     finally:
         if reader.is_alive():
             source.cancel()
-            reader.join(30.0)
+            reader.join(HANG_BOUND_S)
         source.close()
-    assert took < CLOSE_BOUND_S, f"close() took {took:.1f} s"
+    assert took < HANG_BOUND_S, f"close() took {took:.1f} s"
     assert contained.live_pids() == []
+    assert gone and gone[0] < GONE_BOUND_S, f"the workers were gone {gone} s after close() began"
 
 
 def test_cancel_unblocks_a_reader_waiting_in_zephon(text_dir: Path, tokenizer_dir: Path) -> None:
@@ -140,16 +161,14 @@ def test_cancel_unblocks_a_reader_waiting_in_zephon(text_dir: Path, tokenizer_di
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 60.0
+        deadline = time.monotonic() + FIRST_BATCH_BOUND_S
         while not contained.live_pids():  # the engine is built and its workers started
-            assert time.monotonic() < deadline, "no worker started within 60 s"
+            assert time.monotonic() < deadline, f"no worker started within {FIRST_BATCH_BOUND_S} s"
             time.sleep(0.05)
-        started = time.monotonic()
         source.cancel()
-        reader.join(CLOSE_BOUND_S)
-        assert not reader.is_alive(), f"next() still blocked {CLOSE_BOUND_S} s after cancel()"
+        reader.join(HANG_BOUND_S)  # the transform sleeps 120 s a record: without cancel() no batch ever comes
+        assert not reader.is_alive(), f"next() still blocked {HANG_BOUND_S} s after cancel()"
         assert ended and ended != ["a batch"]
-        assert time.monotonic() - started < CLOSE_BOUND_S
     finally:
         source.close()
     assert contained.live_pids() == []
@@ -174,7 +193,7 @@ def test_bad_record_error_reaches_the_loop_and_close_leaves_no_worker(
         started = time.monotonic()
     finally:
         loader.close()
-    assert time.monotonic() - started < CLOSE_BOUND_S
+    assert time.monotonic() - started < HANG_BOUND_S
     assert contained.live_pids() == []
 
 
@@ -192,18 +211,16 @@ def test_contained_workers_ignore_sigint_and_die_after_the_grace_period() -> Non
     process.start()
     try:
         assert context.live_pids() == [process.pid]
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + HANG_BOUND_S
         while not _ignores_sigint(process.pid):  # the worker reached its run()
             assert time.monotonic() < deadline, "the worker never set SIGINT to ignored"
             time.sleep(0.02)
         os.kill(process.pid, signal.SIGINT)
         process.join(0.5)
         assert process.is_alive(), "a contained worker died of SIGINT"
-        started = time.monotonic()
         context.shut_down()
-        process.join(5.0)
+        process.join(HANG_BOUND_S)  # it sleeps 120 s: only the grace period's SIGKILL ends it before
         assert process.exitcode == -signal.SIGKILL
-        assert time.monotonic() - started < 3.0
         assert context.kill() == []
     finally:
         if process.is_alive():
@@ -220,7 +237,7 @@ def test_fork_server_workers_get_the_environment_of_their_start(monkeypatch: pyt
         monkeypatch.setenv(name, value)
         process = context.Process(target=exit_zero_if_environ, args=(name, value), daemon=True)
         process.start()
-        process.join(30.0)
+        process.join(HANG_BOUND_S)
         assert process.exitcode == 0, f"the worker did not see {name}={value!r}"
 
 
