@@ -30,6 +30,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The loader's cache (shard digests, decoded views of compressed shards): one per test session, never the
+# user's ~/.cache (subprocesses of a test inherit it).
+if "ZEPHON_LOADER_CACHE" not in os.environ:
+    import tempfile as _tempfile
+
+    os.environ["ZEPHON_LOADER_CACHE"] = _tempfile.mkdtemp(prefix="zephon_loader_test_cache_")
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -103,6 +109,13 @@ def zephon_pipeline(config: Mapping[str, Any] | Any, *, work_dir: str | os.PathL
     cfg = config if isinstance(config, TextLoaderConfig) else text_loader_config(**config)
     work_dir = work_dir if work_dir is not None else tempfile.mkdtemp(prefix="zephon_loader_test_")
     return build_pipeline(cfg, work_dir=work_dir, **kwargs).pipeline
+
+
+def resealed(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A hand-edited loader state with its checksum made again (to test the checks behind the checksum)."""
+    from zephon_loader.state import content_checksum
+
+    return {**state, "checksum": content_checksum(state)}
 
 
 def collect(loader: Iterable[Any], limit: int | None = None) -> list[Any]:

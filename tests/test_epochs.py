@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import resealed
 from zephon_loader import build_text_loader
 from zephon_loader.build import epoch_seed
 
@@ -126,12 +127,13 @@ def test_a_state_without_an_epoch_is_epoch_0_and_a_bad_epoch_is_refused(jsonl_so
         assert state["epoch"] == 0
         head = _pass(loader, limit=2)
     del state["epoch"]
+    state = resealed(state)
     with build_text_loader(config) as loader:
         loader.load_state_dict(state)
         assert _same(_pass(loader, limit=2), head)
         for bad in (-1, "1", True):
             with pytest.raises(ValueError, match=r"state_dict\.epoch: got"):
-                loader.load_state_dict({**state, "epoch": bad})
+                loader.load_state_dict(resealed({**state, "epoch": bad}))
             with pytest.raises(ValueError, match=r"epoch: got"):
                 loader.set_epoch(bad)
 

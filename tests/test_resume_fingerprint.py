@@ -45,7 +45,8 @@ def refusal(cfg, state):
 def test_another_folder_with_the_same_source_name_is_refused(web, tmp_path, tokenizer_dir, corpus_texts):
     state = saved_state(config(web, tokenizer_dir))
     other = write_jsonl_shards(tmp_path / "other", [{"text": t} for t in corpus_texts[60:120]], shards=2)
-    assert "shards: saved {'web': [['part-00000.jsonl'" in refusal(config(other, tokenizer_dir), state)
+    assert "shards: source 'web': part-00000.jsonl changed, part-00001.jsonl changed)" in refusal(
+        config(other, tokenizer_dir), state)
 
 
 def test_a_changed_or_added_shard_is_refused(web, tokenizer_dir):

@@ -223,13 +223,12 @@ def test_an_edited_or_damaged_state_is_refused_by_its_checksum(sources, tokenize
             fresh.load_state_dict(json.loads(json.dumps(state)) if name.endswith("json") else
                                   torch.load(_saved(state, tmp_path / name), weights_only=True))
             assert [torch.equal(a, b) for a, b in zip(input_ids(collect(fresh)), full[4:])] == [True] * (len(full) - 4)
-    # A state of the previous format (the same layout, no checksum) still resumes, with a warning.
+    # The previous format (no checksum, a fingerprint of the shards' edges only) is retired, saying why.
     legacy = {key: value for key, value in json.loads(json.dumps(state)).items() if key != "checksum"}
     legacy["format"] = "zephon_loader.state/3"
     with build_text_loader(cfg) as fresh:
-        with pytest.warns(UserWarning, match=r"carries no checksum"):
+        with pytest.raises(ValueError, match=r"state_dict\.format: got 'zephon_loader\.state/3'.*carried no checksum"):
             fresh.load_state_dict(legacy)
-        assert len(collect(fresh)) == len(full) - 4
 
 
 def _saved(state, path):

@@ -20,7 +20,6 @@ from typing import Any, Callable, ContextManager, Mapping
 from zephon_loader.config import ImageLoaderConfig, LoaderConfig, TextLoaderConfig, read_loader_config
 from zephon_loader.contract import PackingContract, validate_packing_contract
 from zephon_loader.finalize import FinalizeSettings
-from zephon_loader.fingerprint import shard_list_fingerprint
 from zephon_loader.loader import ImageLoader, ZephonLoader
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.pipeline.text import DataParallel
@@ -93,7 +92,9 @@ def build_loader(
         return stage.build_pipeline(work_dir=work_dir, dp=dp, seed=epoch_seed(cfg.seed, epoch),
                                     run_id_suffix=epoch_run_id_suffix(epoch)).pipeline
 
-    fingerprint = stream_fingerprint(cfg, built.shards, dp, contract, stage.micro_batch_size, stage.fingerprint(built))
+    assert stage.sources is not None  # opened by the first build_pipeline()
+    fingerprint = stream_fingerprint(cfg, stage.sources.fingerprint(), dp, contract, stage.micro_batch_size,
+                                     stage.fingerprint(built))
     if loader_class is None:
         loader_class = stage.loader_class
     elif not (isinstance(loader_class, type) and issubclass(loader_class, stage.loader_class)):
@@ -260,7 +261,7 @@ def resolve_contract(config: LoaderConfig, packing_contract: object | None) -> P
 
 
 def stream_fingerprint(
-    cfg: LoaderConfig, shards: Any, dp: DataParallel, contract: object, micro_batch_size: int, specific: Mapping[str, Any]
+    cfg: LoaderConfig, shards: Mapping[str, Any], dp: DataParallel, contract: object, micro_batch_size: int, specific: Mapping[str, Any]
 ) -> dict[str, Any]:
     """What fixes a loader's batch stream, as JSON: a state saved under another one is refused.
 
@@ -273,7 +274,7 @@ def stream_fingerprint(
     """
     fingerprint = {
         "sources": [[source.name, source.weight] for source in cfg.sources],
-        "shards": {src.name: shard_list_fingerprint(src.folder, src.files) for src in shards.sources},
+        "shards": dict(shards),
         "canonical_replicas": cfg.distributed.canonical_replicas or dp.size,
         "sequence_length": cfg.sequence_length,
         "micro_batch_size": micro_batch_size,

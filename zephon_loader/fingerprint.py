@@ -5,12 +5,12 @@ the loader's, naming the differing keys. It covers everything that changes the
 batch stream:
 
 * each source's **shard list**: per shard file (in Zephon's order) its name,
-  size in bytes and a SHA-256 of its first and last 64 KiB. Content, not
-  paths or mtimes: a run may resume where the data is mounted elsewhere or
-  was copied (which changes mtimes), but a different folder, an added,
-  removed, truncated or rewritten shard is refused. (An edit in the middle of
-  a large shard that keeps its size is not detected: that would need hashing
-  every byte on every start.)
+  size in bytes and the SHA-256 of all its bytes (:mod:`zephon_loader.pipeline.shards`:
+  computed once per file version, cached by the file's identity). Content,
+  not paths or mtimes: a run may resume where the data is mounted elsewhere or
+  was copied, but a different folder, an added, removed, truncated or
+  rewritten shard — also an edit in the middle that keeps the size — is refused;
+  the message names the changed shards (:func:`describe_difference`).
 * the **tokenizer's identity**: a SHA-256 over the names and contents of the
   files in its folder;
 * the packing, sequence, seed, mixture and label settings, the effective
@@ -24,27 +24,42 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["shard_list_fingerprint", "tokenizer_fingerprint"]
-
-_EDGE_BYTES = 64 * 1024
+__all__ = ["describe_difference", "tokenizer_fingerprint"]
 
 
-def shard_list_fingerprint(folder: str | os.PathLike[str], files: tuple[str, ...]) -> list[list[object]]:
-    """``[[file name, size, sha256(first + last 64 KiB)[:16]], ...]`` for ``files`` in ``folder``."""
-    out: list[list[object]] = []
-    for name in files:
-        path = Path(folder) / name
-        size = path.stat().st_size
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            digest.update(handle.read(_EDGE_BYTES))
-            if size > _EDGE_BYTES:
-                handle.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
-                digest.update(handle.read(_EDGE_BYTES))
-        out.append([name, size, digest.hexdigest()[:16]])
-    return out
+def describe_difference(key: str, saved: Any, now: Any) -> str:
+    """One fingerprint key's difference, short: ``shards`` names the changed shards of each source (first
+    three, then a count), another key shows both values (cut at 200 characters)."""
+    if key == "shards" and isinstance(saved, Mapping) and isinstance(now, Mapping):
+        parts = []
+        for source in sorted(set(saved) | set(now), key=str):
+            before, after = _by_name(saved.get(source)), _by_name(now.get(source))
+            if before == after:
+                continue
+            if before is None or after is None:
+                parts.append(f"source {source!r} {'added' if before is None else 'removed'}")
+                continue
+            changes = [f"{name} {'added' if name not in before else 'removed' if name not in after else 'changed'}"
+                       for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
+            more = f", and {len(changes) - 3} more of {len(after)}" if len(changes) > 3 else ""
+            parts.append(f"source {source!r}: {', '.join(changes[:3])}{more}")
+        return "shards: " + "; ".join(parts)
+    return f"{key}: saved {_cut(saved)}, now {_cut(now)}"
+
+
+def _by_name(shards: Any) -> dict[str, Any] | None:
+    if not isinstance(shards, list):
+        return None
+    return {str(entry[0]): entry[1:] for entry in shards if isinstance(entry, list) and entry}
+
+
+def _cut(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "...]"
 
 
 def tokenizer_fingerprint(folder: str | os.PathLike[str] | None) -> str | None:

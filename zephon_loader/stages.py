@@ -39,6 +39,7 @@ from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.pipeline.image_records import IMAGE_REASONS
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
 from zephon_loader.pipeline.text import DataParallel, build_pipeline
+from zephon_loader.pipeline.work_source import OpenedSources
 from zephon_loader.workdirs import make_work_dir
 
 __all__ = ["ImageStage", "Stage", "TextStage", "resolve_processor"]
@@ -50,6 +51,8 @@ class Stage(Protocol):
     work_prefix: str
     #: The loader class this kind builds (a caller's ``loader_class`` must subclass it).
     loader_class: type[ZephonLoader]
+    #: The shard files every epoch reads: opened by the first ``build_pipeline`` (fixed at the build).
+    sources: OpenedSources | None
 
     def loader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :attr:`loader_class` beyond :class:`~zephon_loader.loader.ZephonLoader`'s."""
@@ -97,6 +100,7 @@ class TextStage:
         self.cfg = cfg
         self._recipe_tokenizer = tokenizer
         self._tokenizer_dir: str | None = None
+        self.sources: OpenedSources | None = None  # the shard files, opened by the first build_pipeline()
 
     @property
     def micro_batch_size(self) -> int:
@@ -117,8 +121,10 @@ class TextStage:
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:
-        return build_pipeline(self.cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,
-                              run_id_suffix=run_id_suffix)
+        built = build_pipeline(self.cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,
+                               run_id_suffix=run_id_suffix, sources=self.sources)
+        self.sources = built.sources  # opened by the first build; every epoch's reads the same files
+        return built
 
     def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
         cfg = self.cfg
@@ -179,6 +185,7 @@ class ImageStage:
         self._get_rope_index = get_rope_index
         self._model_path = model_path
         self.processor: Any = None
+        self.sources: OpenedSources | None = None  # the shard files, opened by the first build_pipeline()
 
     @property
     def micro_batch_size(self) -> int:
@@ -202,8 +209,11 @@ class ImageStage:
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:
-        return build_image_pipeline(self.cfg, processor=self.processor, micro_batch_size=self._rows,
-                                    work_dir=work_dir, dp=dp, seed=seed, run_id_suffix=run_id_suffix)
+        built = build_image_pipeline(self.cfg, processor=self.processor, micro_batch_size=self._rows,
+                                     work_dir=work_dir, dp=dp, seed=seed, run_id_suffix=run_id_suffix,
+                                     sources=self.sources)
+        self.sources = built.sources  # opened by the first build; every epoch's reads the same files
+        return built
 
     def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
         return partial(

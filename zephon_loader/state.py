@@ -37,21 +37,23 @@ import hashlib
 import json
 import os
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from zephon_loader.fingerprint import describe_difference
 from zephon_loader.stats import LoaderStats
 
-__all__ = ["UNCHECKED_FORMATS", "RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum",
+__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum",
            "read_state_file", "save_state_file", "write_atomically", "write_json_atomically"]
 
 #: Version tag of a saved state (its ``format``); bumped on incompatible changes.
 STATE_FORMAT = "zephon_loader.state/4"
-#: Earlier formats still resumed: the same layout without ``checksum`` (a warning says it is unchecked).
-UNCHECKED_FORMATS = {"zephon_loader.state/3"}
 #: Earlier formats, with why they cannot be resumed.
 RETIRED_FORMATS = {
+    "zephon_loader.state/3": (
+        "it was saved by an earlier zephon_loader whose state carried no checksum and whose fingerprint read only "
+        "the first and last 64 KiB of each shard"
+    ),
     "zephon_loader.state/2": (
         "it was saved by an earlier zephon_loader whose state carried every rank's read-ahead batches and "
         "per-rank counts; this version cuts the state before the read-ahead and counts per lane"
@@ -161,7 +163,7 @@ class LoaderState:
                 "to start from the beginning, do not call load_state_dict"
             )
         format_ = state.get("format")
-        if format_ != STATE_FORMAT and format_ not in UNCHECKED_FORMATS:
+        if format_ != STATE_FORMAT:
             why = RETIRED_FORMATS.get(format_) if isinstance(format_, str) else None
             raise ValueError(
                 f"state_dict.format: got {format_!r}, expected {STATE_FORMAT!r}; "
@@ -173,14 +175,12 @@ class LoaderState:
         if saved != fingerprint:
             saved = saved if isinstance(saved, Mapping) else {}
             differing = sorted(key for key in set(saved) | set(fingerprint) if saved.get(key) != fingerprint.get(key))
-            details = "; ".join(
-                f"{key}: saved {saved.get(key)!r}, now {fingerprint.get(key)!r}" for key in differing[:6]
-            )
+            details = "; ".join(describe_difference(key, saved.get(key), fingerprint.get(key)) for key in differing[:6])
             raise ValueError(
                 f"state_dict.fingerprint: the state was saved by a loader with a different configuration ({details}); "
                 "resume with the configuration it was saved with"
             )
-        _check_integrity(state, format_)
+        _check_integrity(state)
         if "zephon_checkpoint" not in state:
             raise ValueError(
                 "state_dict.zephon_checkpoint: missing, no Zephon checkpoint found; expected the dict returned by "
@@ -278,12 +278,8 @@ def _with_string_keys(node: Any) -> Any:
     return node
 
 
-def _check_integrity(state: Mapping[str, Any], format_: str) -> None:
-    """Refuse a state whose content is not what :meth:`LoaderState.to_dict` made (an unchecked format warns)."""
-    if format_ in UNCHECKED_FORMATS:
-        warnings.warn(f"state_dict.format: {format_!r} carries no checksum, so an edit or damage since it was "
-                      "saved cannot be detected; the next state saved is checked", stacklevel=4)
-        return
+def _check_integrity(state: Mapping[str, Any]) -> None:
+    """Refuse a state whose content is not what :meth:`LoaderState.to_dict` made."""
     saved = state.get("checksum")
     if saved is None:
         raise ValueError("state_dict.checksum: missing; expected the checksum ZephonLoader.state_dict() adds "

@@ -16,7 +16,10 @@ upgrade is checked in this file.
   (the transport of Zephon's own checkpoint collective).
 * Errors and logs: :func:`worker_crash_info` (an operator's error re-raised
   by the process runner), :data:`ZEPHON_PACK_LOGGER`.
-* Readers: :func:`jsonl_suffixes` (the file names Zephon reads as JSONL).
+* Readers: :func:`jsonl_suffixes` (the file names Zephon reads as JSONL),
+  :func:`compression_of` and :func:`decompress_to` (its shard decoders),
+  :func:`forget_catalog` (its cached shard catalog of a folder),
+  :func:`jsonl_reader_module` (its JSONL reader, made to keep undecodable bytes).
 
 Imports nothing from :mod:`zephon_loader`; Zephon itself is imported inside
 the functions that need it, so importing this module stays cheap.
@@ -317,6 +320,52 @@ def jsonl_suffixes() -> tuple[str, ...]:
         return tuple(JSONL_SUFFIXES)
     except Exception:  # pragma: no cover - private module moved
         return (_JSONL_SUFFIX,)
+
+
+def compression_of(name: str) -> str | None:
+    """Zephon's compression name for a shard file name (``"gzip"`` for ``x.jsonl.gz``), ``None`` for a plain one.
+
+    Wraps ``zephon._internal.utils.compression.compression_for_name`` (the endings its JSONL reader decodes).
+    """
+    from zephon._internal.utils.compression import compression_for_name
+
+    return compression_for_name(name)
+
+
+def decompress_to(source: Any, target: Any, compression: str) -> None:
+    """Decode a compressed shard file into ``target`` with Zephon's own decoder (``decompress_file``)."""
+    from zephon._internal.utils.compression import decompress_file
+
+    decompress_file(source, target, compression)
+
+
+def jsonl_reader_module() -> Any:
+    """Zephon 0.2's JSONL format module (``zephon._internal.io.formats.jsonl``): :mod:`zephon_loader.pipeline.jsonl_text`
+    replaces its ``_count_records`` and ``JsonlShard`` by versions that decode with ``surrogateescape``, so an
+    undecodable byte reaches the record checks (which name its line) instead of failing inside the reader."""
+    from zephon._internal.io.formats import jsonl
+
+    return jsonl
+
+
+def forget_catalog(root: str, kind: str) -> None:
+    """Drop Zephon's pointer from a local dataset folder to its cached shard catalog (the catalog is rebuilt,
+    records counted again, at the next engine start).
+
+    Zephon 0.2 caches the catalog under ``{tempdir}/zephon-{uid}/catalog`` (or ``$ZEPHON_CATALOG_DIR``) keyed
+    by the folder, its format and the names and sizes of its shards (``catalog.handle._source_key``): a
+    same-size edit that changes the record count keeps the old key, and every later run on the machine fails
+    ("Catalog ... disagrees with count-only discovery") until the folder is cleared by hand.
+    """
+    from zephon._internal.io.catalog import handle
+    from zephon._internal.io.catalog.builder import DatasetHeader
+
+    key = handle._source_key(DatasetHeader(name="", root=root, format=kind, path=root))
+    pointer = handle._schema_dir(handle._catalog_dir()) / ".bykey" / f"{key}.fp"
+    try:
+        pointer.unlink(missing_ok=True)
+    except OSError:  # another user's catalog folder: nothing cached for us there
+        pass
 
 
 #: Zephon 0.2's warnings about a checkpoint cut inside a global window (``engine.Engine``), and what they mean

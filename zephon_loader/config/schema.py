@@ -355,8 +355,11 @@ class LoaderConfig:
             raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
 
     def _check_batch_size(self) -> None:
-        """Refuse a batch no machine holds (``10**9`` tokens failed only at the first batch, in the allocator)."""
-        tokens = self.micro_batch_size * self.sequence_length
+        """Refuse a batch no machine holds (``10**9`` tokens failed only at the first batch, in the allocator).
+
+        An image config may leave ``micro_batch_size`` to the recipe: then only ``sequence_length`` is bounded.
+        """
+        tokens = (self.micro_batch_size or 1) * self.sequence_length
         if tokens > MAX_BATCH_TOKENS:
             size = tokens * BATCH_BYTES_PER_TOKEN
             raise ValueError(

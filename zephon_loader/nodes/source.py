@@ -139,23 +139,38 @@ class _Stream:
         except StopIteration:
             self.fresh, self.ended = False, True
             raise
-        except json.JSONDecodeError as error:  # raised by Zephon's JSONL reader, without file or line
-            if self.shards is None:
+        except Exception as error:
+            better = self._explain(error)
+            if better is None:
                 raise
-            raise self.shards.unparsable(error) from error
-        except RuntimeError as error:
-            # Zephon's process runner re-raises a worker's exception wrapped (``worker_crash_info``):
-            # a bad record is a BadRecordError under every runner.
-            info = worker_crash_info(error)
-            if getattr(info, "exc_type", None) == "BadRecordError":
-                from zephon_loader.errors import BadRecordError
+            raise better from error
 
-                raise BadRecordError(str(info.message)) from error
-            raise
+    def _explain(self, error: Exception) -> Exception | None:
+        """A clearer error for a failure of Zephon's (``None``: keep it): a shard changed since the build
+        explains any read failure; a JSONL line Zephon's reader could not parse is located; a worker's bad
+        record is a ``BadRecordError`` under every runner."""
+        changed = self.shards.changed_files() if self.shards is not None else None
+        if changed:
+            return ValueError(changed)
+        if isinstance(error, json.JSONDecodeError) and self.shards is not None:
+            return self.shards.unparsable(error)  # Zephon's message has neither file nor line
+        # Zephon's process runner re-raises a worker's exception wrapped (``worker_crash_info``).
+        info = worker_crash_info(error) if isinstance(error, RuntimeError) else None
+        if getattr(info, "exc_type", None) == "BadRecordError":
+            from zephon_loader.errors import BadRecordError
+
+            return BadRecordError(str(info.message))
+        return None
 
     def local(self) -> dict[str, Any]:
         """Zephon's local shard now (its engine built first if nothing was pulled since start())."""
-        return local_position(self.pipeline, prime=self.fresh)
+        try:
+            return local_position(self.pipeline, prime=self.fresh)
+        except Exception as error:  # building the engine reads the shards' catalog
+            better = self._explain(error)
+            if better is None:
+                raise
+            raise better from error
 
     def stop(self) -> None:
         """End the running iteration: Zephon's own shutdown, its worker processes bounded by the grace period."""

@@ -26,7 +26,7 @@ from zephon_loader.pipeline.image_records import ProcessImageRecords, RecordForm
 from zephon_loader.pipeline.text import DEFAULT_NUM_BINS, DROP_LOG_NAME, DataParallel, runtime_options
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
 from zephon_loader.zephon_compat import ZephonKeys
-from zephon_loader.pipeline.work_source import build_work_source
+from zephon_loader.pipeline.work_source import OpenedSources, build_work_source
 
 __all__ = ["PROCESS_CALL_RECORDS", "BuiltImagePipeline", "build_image_pipeline"]
 
@@ -42,11 +42,13 @@ class BuiltImagePipeline:
         pipeline: The configured ``zephon.Pipeline`` (nothing started).
         shards: Sample id → source, shard file and line/row.
         drop_log: Where bad and oversized records left out are logged (read by ``loader.stats()``).
+        sources: The shard files read (an epoch's pipeline is built over the same: ``sources=``).
     """
 
     pipeline: Any
     shards: ShardTable
     drop_log: DropLog
+    sources: OpenedSources
 
 
 def build_image_pipeline(
@@ -58,6 +60,7 @@ def build_image_pipeline(
     dp: DataParallel = DataParallel(),
     seed: int | None = None,
     run_id_suffix: str = "",
+    sources: OpenedSources | None = None,
 ) -> BuiltImagePipeline:
     """Build the ``zephon.Pipeline`` that yields batches of ``B`` rows of whole processed records.
 
@@ -68,6 +71,8 @@ def build_image_pipeline(
         work_dir: Existing folder owned by the caller; ``drops.jsonl`` is written there.
         dp: This rank's data-parallel coordinates.
         seed: Overrides ``config.seed`` (an epoch's seed).
+        sources: The shard files opened at the build (:func:`~zephon_loader.pipeline.work_source.open_sources`);
+            ``None`` opens them.
         run_id_suffix: Appended to the aggregation run id (one per epoch).
 
     Raises:
@@ -77,7 +82,7 @@ def build_image_pipeline(
     import zephon
 
     dist = config.distributed
-    work = build_work_source(config, lanes=dist.canonical_replicas or dp.size, seed=seed)
+    work = build_work_source(config, lanes=dist.canonical_replicas or dp.size, seed=seed, sources=sources)
     drop_log = DropLog(os.path.join(work_dir, DROP_LOG_NAME))
     records = config.records
     process = ProcessImageRecords(
@@ -105,7 +110,7 @@ def build_image_pipeline(
         num_bins=config.packing.num_bins or DEFAULT_NUM_BINS, tokens_field=ZephonKeys.TOKENS,
     ).batch(micro_batch_size, drop_last=False)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
-    return BuiltImagePipeline(pipeline, work.shards, drop_log)
+    return BuiltImagePipeline(pipeline, work.shards, drop_log, work.opened)
 
 
 def _process_accumulator() -> CountingAccumulator:

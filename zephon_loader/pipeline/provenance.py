@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ from zephon_loader.errors import BadRecordError
 
 __all__ = ["DropLog", "ShardTable", "SourceShards"]
 
-_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
-_PARQUET_SUFFIX = ".parquet"
 
 
 # ----------------------------------------------------------------------------- where a record is
@@ -31,12 +29,21 @@ _PARQUET_SUFFIX = ".parquet"
 
 @dataclass(frozen=True)
 class SourceShards:
-    """One source's shard files in Zephon's shard-id order (sorted file names)."""
+    """One source's shard files in Zephon's shard-id order (sorted file names).
+
+    ``readable``: per file, where its records are plain text (a compressed shard's decoded copy), for
+    re-reading a line on an error path; empty: the files themselves.
+    """
 
     name: str
     folder: str
     files: tuple[str, ...]
     kind: str  # "jsonl" | "parquet"
+    readable: tuple[str, ...] = ()
+
+    def text_path(self, shard: int) -> str:
+        """The path to re-read shard ``shard``'s lines from."""
+        return self.readable[shard] if self.readable else os.path.join(self.folder, self.files[shard])
 
 
 @dataclass(frozen=True)
@@ -49,18 +56,12 @@ class ShardTable:
     """
 
     sources: tuple[SourceShards, ...]
+    #: What changed in the shard files since the build (one line), or ``None``; see ``pipeline.shards``.
+    changes: Callable[[], str | None] | None = field(default=None, compare=False)
 
-    @classmethod
-    def from_folders(cls, names: Sequence[str], folders: Sequence[str | os.PathLike[str]]) -> "ShardTable":
-        out = []
-        for name, folder in zip(names, folders, strict=True):
-            path = Path(folder)
-            files = sorted(p.name for p in path.iterdir() if p.is_file())
-            jsonl = tuple(n for n in files if n.endswith(_JSONL_SUFFIXES))
-            kind = "jsonl" if jsonl else "parquet"
-            shards = jsonl or tuple(n for n in files if n.endswith(_PARQUET_SUFFIX))
-            out.append(SourceShards(name, str(path), shards, kind))
-        return cls(tuple(out))
+    def changed_files(self) -> str | None:
+        """One line naming the shards changed, truncated or removed since the build; ``None`` when none did."""
+        return self.changes() if self.changes is not None else None
 
     def source_name(self, sample_id: Sequence[int]) -> str:
         dataset = int(sample_id[0])
@@ -77,7 +78,7 @@ class ShardTable:
         file = os.path.join(src.folder, src.files[shard])
         if src.kind == "parquet":
             return f"source {src.name!r}, shard {file}, row {index} (0-based)"
-        line = _physical_line(file, index)
+        line = _physical_line(src.text_path(shard), index)
         return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")
 
     def unparsable(self, error: Exception) -> BadRecordError:
@@ -91,11 +92,12 @@ class ShardTable:
         for src in self.sources:
             if src.kind != "jsonl":
                 continue
-            for name in src.files:
+            for shard, name in enumerate(src.files):
                 file = os.path.join(src.folder, name)
-                if not file.endswith(".jsonl"):
+                text = src.text_path(shard)
+                if not text.endswith(".jsonl"):
                     continue
-                with open(file, encoding="utf-8", errors="replace") as handle:
+                with open(text, encoding="utf-8", errors="replace") as handle:
                     for number, line in enumerate(handle, start=1):
                         if line.isspace():
                             continue

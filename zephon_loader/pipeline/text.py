@@ -28,7 +28,7 @@ from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
 from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
-from zephon_loader.pipeline.work_source import WorkSource, build_work_source, lane_options
+from zephon_loader.pipeline.work_source import OpenedSources, WorkSource, build_work_source, lane_options
 
 __all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "BuiltPipeline", "DataParallel", "build_pipeline", "runtime_options"]
 
@@ -80,6 +80,7 @@ class BuiltPipeline:
         pad_token_id: The pad id rows are packed with (configured, else the tokenizer's pad, else its EOS).
         tokenizer_dir: The tokenizer folder used (``None``: pretokenized without one).
         drop_log: Where the record checks log what ``on_bad_record: skip`` left out.
+        sources: The shard files read (an epoch's pipeline is built over the same: ``sources=``).
     """
 
     pipeline: Any
@@ -87,6 +88,7 @@ class BuiltPipeline:
     pad_token_id: int
     tokenizer_dir: Path | None
     drop_log: DropLog
+    sources: OpenedSources
 
 
 def build_pipeline(
@@ -97,6 +99,7 @@ def build_pipeline(
     dp: DataParallel = DataParallel(),
     seed: int | None = None,
     run_id_suffix: str = "",
+    sources: OpenedSources | None = None,
     transform: Callable[[Any], Any] | None = None,
 ) -> BuiltPipeline:
     """Build the ``zephon.Pipeline`` that yields packed batches of ``B`` rows of ``S + 1`` tokens.
@@ -112,6 +115,8 @@ def build_pipeline(
             (the builder passes the recipe's tokenizer, saved, when the YAML names none).
         dp: This rank's data-parallel coordinates.
         seed: Overrides ``config.seed`` (an epoch's seed).
+        sources: The shard files opened at the build (:func:`~zephon_loader.pipeline.work_source.open_sources`);
+            ``None`` opens them.
         run_id_suffix: Appended to the aggregation run id (an epoch's pipeline
             must not meet the previous epoch's coordination files).
         transform: Optional payload map run first (pretokenized mode: it must
@@ -130,7 +135,7 @@ def build_pipeline(
     pad_token_id = _pad_token_id(config, tokenizer)
     dist = config.distributed
     lanes = dist.canonical_replicas or dp.size
-    work = build_work_source(config, lanes=lanes, seed=seed)
+    work = build_work_source(config, lanes=lanes, seed=seed, sources=sources)
     drop_log = DropLog(os.path.join(work_dir, DROP_LOG_NAME))
     checks = {"shards": work.shards, "policy": config.on_bad_record, "log": drop_log}
 
@@ -142,7 +147,7 @@ def build_pipeline(
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
     return BuiltPipeline(pipeline, work.shards, pad_token_id,
-                         Path(tokenizer.name_or_path) if tokenizer is not None else None, drop_log)
+                         Path(tokenizer.name_or_path) if tokenizer is not None else None, drop_log, work.opened)
 
 
 # ----------------------------------------------------------------------------- stages

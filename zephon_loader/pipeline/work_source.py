@@ -21,22 +21,27 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
-from zephon_loader.pipeline.provenance import ShardTable
+from zephon_loader.pipeline.provenance import ShardTable, SourceShards
+from zephon_loader.pipeline.shards import SourceFiles, check_distinct, open_source
+from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
 from zephon_loader.zephon_compat import jsonl_suffixes
 
 __all__ = [
     "CHUNKS_PER_LANE",
     "DEFAULT_CHUNK_SIZE",
     "MAX_FLUSH_EVERY_K_CHUNKS",
+    "OpenedSources",
     "WorkSource",
     "build_work_source",
     "choose_chunk_size",
     "lane_options",
+    "open_sources",
 ]
 
 #: Zephon's own default ``StaticMixtureWorkSource(chunk_size=...)``; the upper bound we pick from.
@@ -213,40 +218,110 @@ class WorkSource:
         shards: Sample id → source, shard file and line/row (for error messages and drop logs).
         chunk_size: Records per work chunk (whole passes guaranteed).
         flush_every_k_chunks: Zephon's flush cadence for that chunk size.
+        opened: The shard files it reads (the next epoch's work source reads the same).
     """
 
     source: Any
     shards: ShardTable
     chunk_size: int
     flush_every_k_chunks: int
+    opened: "OpenedSources"
 
 
-def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = None) -> WorkSource:
+@dataclass(frozen=True)
+class OpenedSources:
+    """The configured sources as the build found them; every epoch's work source reads these.
+
+    Attributes:
+        files: Per source, its shard files (:class:`~zephon_loader.pipeline.shards.SourceFiles`).
+        datasets: Per source, the ``zephon.Dataset`` over them (discovered once).
+        counts: Per source, its record count.
+        shards: Sample id -> source, shard file and line/row.
+    """
+
+    files: tuple[SourceFiles, ...]
+    datasets: tuple[Any, ...]
+    counts: tuple[int, ...]
+    shards: ShardTable
+
+    def fingerprint(self) -> dict[str, list[list[object]]]:
+        """The resume fingerprint's shard part: per source, ``[[file, size, sha256[:16]], ...]``."""
+        return {files.name: files.fingerprint() for files in self.files}
+
+    def check_unchanged(self) -> None:
+        """Raise when a shard changed, was truncated or removed since the build (each epoch checks)."""
+        message = shards_changed_message(self.files)
+        if message:
+            raise ValueError(message)
+
+
+def shards_changed_message(sources: Sequence[SourceFiles]) -> str | None:
+    """One line naming the first shards that changed since the build (then a count) and what to do; ``None``
+    when none did."""
+    changes = [(files, change) for files in sources for change in files.changes()]
+    if not changes:
+        return None
+    shown = "; ".join(f"source {files.name!r}, {change}" for files, change in changes[:3])
+    more = f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
+    return (f"shards changed while the loader ran ({shown}{more}): the loader reads the shards as they were "
+            "when it was built. Leave shards unchanged during a run; to train on the new data, build a new loader "
+            "(a state saved before is then refused by its fingerprint)")
+
+
+def open_sources(config: LoaderConfig) -> OpenedSources:
+    """List, hash and discover every configured source once (:func:`~zephon_loader.pipeline.shards.open_source`).
+
+    Warns when one ``mixture: repeat`` pass would read over 100x the records (``source_checks``).
+
+    Raises:
+        ValueError: A missing/empty/mixed folder, a URL, two sources on one folder or file, a stale
+            Zephon index, a source without records, or a Parquet column Zephon cannot take rows of.
+    """
+    import zephon
+
+    files = []
+    for i, source in enumerate(config.sources):
+        where = f"dataloader.sources[{i}].path ({source.name!r})"
+        files.append(open_source(source.name, where, check_source_dir(where, source.path, config.resolve_path(source.path))))
+    check_distinct(files)
+    datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root) for f in files)
+    counts = tuple(int(ds.total()) for ds in datasets)
+    for f, n in zip(files, counts, strict=True):
+        if n == 0:
+            raise ValueError(_err(f.where, f.folder, "at least one record", "The shards are empty; add data or drop the source."))
+    check_pass_length([f.name for f in files], counts, [s.weight for s in config.sources], mixture=config.mixture,
+                      passes=config.passes)
+    for f in files:
+        if f.kind == "parquet":
+            check_parquet_columns(f.name, [os.path.join(f.folder, n) for n in f.files])
+    table = ShardTable(tuple(SourceShards(f.name, f.folder, f.files, f.kind, f.readable) for f in files),
+                       changes=partial(shards_changed_message, tuple(files)))
+    return OpenedSources(tuple(files), datasets, counts, table)
+
+
+def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = None,
+                      sources: OpenedSources | None = None) -> WorkSource:
     """The mixture of the configured shard folders, read in whole passes (``config.mixture``).
 
     Args:
         config: The validated loader config (sources, ``chunk_size``, ``shuffle``, ``seed``).
         lanes: Zephon's canonical lane count (chunks are dealt to lanes whole).
         seed: Overrides ``config.seed`` (e.g. an epoch's seed).
+        sources: What :func:`open_sources` found at the build (checked unchanged); ``None`` opens them now.
 
     Raises:
-        ValueError: A missing/empty/mixed folder, or an explicit ``chunk_size``
-            with which some pass would not be read whole (the message names the
-            source and the size to use instead).
+        ValueError: A missing/empty/mixed folder, shards changed since ``sources`` was made, or an explicit
+            ``chunk_size`` with which some pass would not be read whole (the message names the source and
+            the size to use instead).
     """
     import zephon
 
+    if sources is None:
+        sources = open_sources(config)
+    else:
+        sources.check_unchanged()
     names = [source.name for source in config.sources]
-    paths = [check_source_dir(f"dataloader.sources[{i}].path ({source.name!r})", source.path, config.resolve_path(source.path))
-             for i, source in enumerate(config.sources)]
-    datasets = [zephon.Dataset.from_path(name, str(path)) for name, path in zip(names, paths, strict=True)]
-    counts = [int(ds.total()) for ds in datasets]
-    for i, (name, path, n) in enumerate(zip(names, paths, counts, strict=True)):
-        if n == 0:
-            raise ValueError(
-                _err(f"dataloader.sources[{i}].path ({name!r})", os.fspath(path), "at least one record",
-                     "The shards are empty; add data or drop the source.")
-            )
+    counts = list(sources.counts)
     weights = [source.weight for source in config.sources]
     once = config.mixture == "once"
     if once:  # every record exactly once: Zephon clamps a running-out source's quota, no pass is cut short
@@ -260,7 +335,7 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
     flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS,
                                max(ZEPHON_FLUSH_EVERY_K_CHUNKS, -(-ZEPHON_FLUSH_EVERY_K_CHUNKS * upper // chunk_size)))
     source = zephon.StaticMixtureWorkSource(
-        datasets,
+        list(sources.datasets),
         zephon.MixtureSpec(dict(zip(names, weights, strict=True))),
         chunk_size=chunk_size,
         seed=int(config.seed if seed is None else seed),
@@ -270,7 +345,7 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
         # repeat: every source repeats until the slowest was read whole `passes` times (None: endless).
         **_pass_policy(once, config.passes),
     )
-    return WorkSource(source, ShardTable.from_folders(names, paths), chunk_size, flush_every_k_chunks)
+    return WorkSource(source, sources.shards, chunk_size, flush_every_k_chunks, sources)
 
 
 def _pass_policy(once: bool, passes: int | None) -> dict[str, Any]:

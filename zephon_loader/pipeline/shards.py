@@ -1,0 +1,296 @@
+"""The shard files a loader reads, fixed at build: listed, identified by content, and shown to Zephon.
+
+First step of the work source (config → builder → **shard files** → work
+source → tokenize → pack → batch). :func:`open_source` runs once per source
+when a loader is built; every epoch's pipeline reads the same files:
+
+* **Listing.** The shard files of the folder in Zephon's order (sorted names,
+  one format). Two sources on one folder (directly or through a symlink), or
+  sharing a shard file (a hard link), are refused: every record would come twice.
+* **Content.** Each file's SHA-256 over all its bytes, the resume
+  fingerprint's shard part (:mod:`zephon_loader.fingerprint`). It is computed
+  once per file version and kept in the cache folder (:func:`cache_dir`)
+  keyed by the file's identity ``(size, mtime_ns, ctime_ns, inode, device)``:
+  any write to a file changes its ``ctime``, so a changed file is hashed again,
+  and a later build stats the files only. Hashing reads every byte once (about
+  the cost of Zephon's own record count without an index: see
+  ``benchmarks/bench_shard_scan.py``).
+* **What Zephon reads** (:attr:`SourceFiles.zephon_root`): the source folder
+  itself when it holds plain shards; a *view* in the cache folder when it holds
+  compressed ones (``.jsonl.gz``, ``.zst``, ...): decoded copies and links to
+  the plain shards, keyed by the content, so nothing is written into the
+  data folder (it may be read-only) and a replaced ``.gz`` is decoded anew
+  (Zephon's own decoder reuses a ``.raw`` copy beside the data by its size).
+* **Zephon's index and catalog.** An ``index.json`` in the folder (Zephon's
+  ``python -m zephon.build_index``) must describe the files as they are (the
+  same names and sizes, written after the last shard changed), else the build
+  is refused naming the file and the command that rebuilds it. When a file's
+  identity changed since the last build on this machine, Zephon's cached shard
+  catalog of the folder is dropped so that Zephon counts the records again.
+* **While the loader runs** (:meth:`SourceFiles.changes`): a shard changed,
+  truncated or removed after the build is named (source, path, what changed)
+  when an epoch starts and when Zephon fails to read; shards added after the
+  build are not read (the stream stays the one the fingerprint describes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zephon_loader.errors import field_error as _err
+from zephon_loader.zephon_compat import compression_of, decompress_to, jsonl_suffixes
+
+__all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "open_source"]
+
+#: Environment variable naming the cache folder (content digests, decoded views).
+CACHE_ENV = "ZEPHON_LOADER_CACHE"
+_PARQUET_SUFFIX = ".parquet"
+_INDEX_NAMES = ("index.json", "_index.json")  # Zephon 0.2's discovery order
+
+#: ``(size, mtime_ns, ctime_ns, inode, device)`` of a file.
+Identity = tuple[int, int, int, int, int]
+
+
+def cache_dir() -> Path:
+    """``$ZEPHON_LOADER_CACHE``, else ``$XDG_CACHE_HOME/zephon_loader``, else ``~/.cache/zephon_loader``.
+
+    Safe to delete between runs (it is rebuilt: digests by reading the shards again).
+    """
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zephon_loader"
+
+
+def _identity(stat: os.stat_result) -> Identity:
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev)
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """One source's shard files as the build found them.
+
+    Attributes:
+        name: The source's name.
+        where: Its config location, e.g. ``dataloader.sources[0].path ('web')``.
+        folder: The folder (resolved: symlinks followed).
+        files: Shard file names in Zephon's shard-id order.
+        kind: ``"jsonl"`` | ``"parquet"``.
+        identities: Per file, ``(size, mtime_ns, ctime_ns, inode, device)`` at the build.
+        digests: Per file, the SHA-256 (hex) of its bytes.
+        zephon_root: The folder Zephon reads (``folder``, or the decoded view of compressed shards).
+        readable: Per file, the path holding its records as plain text (the decoded copy of a
+            compressed shard), for re-reading a line on an error path.
+    """
+
+    name: str
+    where: str
+    folder: str
+    files: tuple[str, ...]
+    kind: str
+    identities: tuple[Identity, ...]
+    digests: tuple[str, ...]
+    zephon_root: str
+    readable: tuple[str, ...] = field(default=())
+
+    def fingerprint(self) -> list[list[object]]:
+        """``[[file name, size, sha256[:16]], ...]``: the resume fingerprint's part for this source."""
+        return [[name, ident[0], digest[:16]] for name, ident, digest in zip(self.files, self.identities, self.digests,
+                                                                             strict=True)]
+
+    def changes(self) -> list[str]:
+        """What changed in the shard files since the build: ``["<path>: 4096 -> 2048 bytes", ...]`` (empty: none).
+
+        A stat per file; the content is not read again (a rewrite changes ``mtime``/``ctime``).
+        """
+        out = []
+        for name, before in zip(self.files, self.identities, strict=True):
+            path = os.path.join(self.folder, name)
+            try:
+                now = _identity(os.stat(path))
+            except FileNotFoundError:
+                out.append(f"{path}: removed")
+                continue
+            if now[0] != before[0]:
+                out.append(f"{path}: {before[0]} -> {now[0]} bytes")
+            elif now != before:
+                out.append(f"{path}: rewritten (same size, modified)")
+        return out
+
+
+def _list_shards(where: str, folder: Path) -> tuple[tuple[str, ...], str]:
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    jsonl = tuple(n for n in names if n.endswith(jsonl_suffixes()))
+    if jsonl:
+        return jsonl, "jsonl"
+    parquet = tuple(n for n in names if n.endswith(_PARQUET_SUFFIX))
+    if not parquet:
+        raise ValueError(_err(where, os.fspath(folder), "a directory containing *.jsonl or *.parquet shards (none found)",
+                              "Point the source at the folder that holds the shard files."))
+    return parquet, "parquet"
+
+
+def open_source(name: str, where: str, folder: str | os.PathLike[str]) -> SourceFiles:
+    """List, identify and hash one source's shards; check its Zephon index; make the view Zephon reads.
+
+    Args:
+        name: The source's name.
+        where: Its config location for messages.
+        folder: The existing shard folder (``work_source.check_source_dir`` checked it).
+
+    Raises:
+        ValueError: A stale ``index.json`` (naming the file, what differs and the rebuild command).
+    """
+    resolved = Path(os.path.realpath(folder))
+    files, kind = _list_shards(where, resolved)
+    stats = [os.stat(resolved / n) for n in files]
+    identities = tuple(_identity(s) for s in stats)
+    digests, changed = _digests(resolved, files, identities)
+    _check_index(where, resolved, files, kind, stats)
+    compressed = [compression_of(n) for n in files]
+    if any(compressed):
+        root, readable = _decoded_view(resolved, files, compressed, digests)
+    else:
+        root, readable = str(resolved), tuple(str(resolved / n) for n in files)
+    source = SourceFiles(name, where, str(resolved), files, kind, identities, digests, root, readable)
+    if changed and root == str(resolved):
+        from zephon_loader.zephon_compat import forget_catalog
+
+        forget_catalog(root, kind)  # Zephon keys its catalog by names and sizes: a same-size edit would not re-key it
+    return source
+
+
+def check_distinct(sources: Sequence[SourceFiles]) -> None:
+    """Refuse two sources that read one folder or one file (every record would be delivered twice)."""
+    seen: dict[object, SourceFiles] = {}
+    for source in sources:
+        for key in [("folder", source.folder)] + [("file", ident[3:]) for ident in source.identities]:
+            other = seen.setdefault(key, source)
+            if other is not source:
+                what = (f"the folder {source.folder}" if key[0] == "folder" else
+                        f"a shard file (the same inode): {_name_of(source, key[1])}")
+                raise ValueError(_err(source.where, source.folder, "a folder no other source reads",
+                                      f"{other.where} reads {what} too, so each of its records would be delivered "
+                                      "twice; give each source its own shards, or one source a larger weight."))
+
+
+def _name_of(source: SourceFiles, inode: tuple[int, int]) -> str:
+    return next(os.path.join(source.folder, n) for n, i in zip(source.files, source.identities) if i[3:] == inode)
+
+
+# ----------------------------------------------------------------------------- content digests
+
+
+def _digests(folder: Path, files: Sequence[str], identities: Sequence[Identity]) -> tuple[tuple[str, ...], bool]:
+    """Each file's SHA-256, from the cache where its identity is unchanged; whether any was (re)computed."""
+    cache = cache_dir() / "digests" / (hashlib.sha256(os.fsencode(folder)).hexdigest()[:24] + ".json")
+    try:
+        known = json.loads(cache.read_text(encoding="utf-8"))
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    out, changed = [], False
+    for name, ident in zip(files, identities, strict=True):
+        entry = known.get(name)
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == list(ident):
+            out.append(str(entry[1]))
+            continue
+        with open(folder / name, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        known[name] = [list(ident), digest]
+        out.append(digest)
+        changed = True
+    if changed:
+        fresh = {name: known[name] for name in files}
+        try:
+            from zephon_loader.state import write_json_atomically
+
+            write_json_atomically(cache, fresh)
+        except OSError as error:  # a read-only home: hashed again next time
+            warnings.warn(f"zephon_loader: cannot write the shard digest cache {cache} ({error}); the shards are "
+                          f"hashed again at every build; set {CACHE_ENV} to a writable folder", RuntimeWarning,
+                          stacklevel=3)
+    return tuple(out), changed
+
+
+# ----------------------------------------------------------------------------- Zephon's index
+
+
+def _check_index(where: str, folder: Path, files: Sequence[str], kind: str, stats: Sequence[os.stat_result]) -> None:
+    """Refuse an index file that no longer describes the shards (Zephon would read by it: records hidden)."""
+    index = next((folder / n for n in _INDEX_NAMES if (folder / n).is_file()), None)
+    if index is None:
+        return
+    rebuild = f"python -m zephon.build_index {kind} {folder}"
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+        listed = {str(s["basename"]): int(s["bytes"]) for s in data["shards"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(_err(where, os.fspath(index), "a Zephon index (format_version, shards)",
+                              f"It does not parse ({type(error).__name__}); rebuild it: {rebuild}")) from error
+    index_time = index.stat().st_mtime_ns
+    problems = []
+    for name, stat in zip(files, stats, strict=True):
+        if name not in listed:
+            problems.append(f"{name} is not in it")
+        elif listed[name] != stat.st_size:
+            problems.append(f"{name} has {stat.st_size} bytes, the index says {listed[name]}")
+        elif stat.st_mtime_ns > index_time:
+            problems.append(f"{name} was modified after the index was written")
+    problems += [f"{name} is in it but not in the folder" for name in sorted(set(listed) - set(files))]
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ValueError(_err(where, os.fspath(index), "an index that describes the shards as they are",
+                              f"It is stale ({shown}), so Zephon would read by it and miss or misplace records. "
+                              f"Rebuild it after every change to the shards: {rebuild} (or delete it)."))
+
+
+# ----------------------------------------------------------------------------- the decoded view
+
+
+def _decoded_view(folder: Path, files: Sequence[str], compressed: Sequence[str | None],
+                  digests: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """A folder in the cache Zephon reads instead of ``folder``: ``000000-<name>.jsonl`` per shard, in order
+    (a decoded copy of a compressed shard, a symlink to a plain one); keyed by the shards' content."""
+    key = hashlib.sha256(json.dumps([os.fspath(folder), list(files), list(digests)]).encode()).hexdigest()[:24]
+    views = cache_dir() / "views"
+    view = views / key
+    names = [f"{i:06d}-{_plain_name(n, c)}" for i, (n, c) in enumerate(zip(files, compressed, strict=True))]
+    readable = tuple(str(view / n) for n in names)
+    if (view / ".complete").is_file():
+        return str(view), readable
+    views.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{key}-{uuid.uuid4().hex[:8]}-", dir=views))
+    try:
+        for source_name, kind, view_name in zip(files, compressed, names, strict=True):
+            if kind is None:
+                os.symlink(folder / source_name, building / view_name)
+            else:
+                decompress_to(folder / source_name, building / view_name, kind)
+        (building / ".complete").write_text("", encoding="utf-8")
+        try:
+            os.rename(building, view)
+        except OSError:  # another rank or process made it first: theirs is the same content
+            if not (view / ".complete").is_file():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return str(view), readable
+
+
+def _plain_name(name: str, compression: str | None) -> str:
+    if compression is None:
+        return name
+    stem = name[: name.rindex(".jsonl") + len(".jsonl")]
+    return stem
