@@ -24,11 +24,10 @@ whose JSONL module does not look like 0.2.0's, nothing is changed.
 from __future__ import annotations
 
 import io
-import json
-from collections import defaultdict
-from typing import Any, BinaryIO, cast
+from pathlib import Path
+from typing import Any, BinaryIO
 
-__all__ = ["DECODE_ERRORS", "install", "installed"]
+__all__ = ["DECODE_ERRORS", "LenientPath", "install", "installed"]
 
 #: How JSONL shards are decoded once :func:`install` ran.
 DECODE_ERRORS = "surrogateescape"
@@ -45,58 +44,26 @@ def _count_records(stream: BinaryIO) -> int:
         text.detach()  # leave ``stream`` open for the caller
 
 
+class LenientPath(type(Path())):  # type: ignore[misc]
+    """A path whose text-mode ``open()`` decodes with :data:`DECODE_ERRORS` unless told otherwise.
+
+    Zephon's ``JsonlShard`` reads its file only through ``self._path.open("r", encoding="utf-8")``: given
+    this path, its own ``__getitem__``, ``__len__`` and ``getsamples`` read undecodable bytes as surrogates.
+    """
+
+    def open(self, mode: str = "r", buffering: int = -1, encoding: str | None = None,  # noqa: A003
+             errors: str | None = None, newline: str | None = None) -> Any:
+        if "b" not in mode and errors is None:
+            errors = DECODE_ERRORS
+        return super().open(mode, buffering, encoding, errors, newline)
+
+
 def _shard_class(base: type) -> type:
-    """A subclass of Zephon's ``JsonlShard`` whose reads decode with :data:`DECODE_ERRORS` (same logic otherwise)."""
+    """A subclass of Zephon's ``JsonlShard`` reading its file through a :class:`LenientPath` (its logic unchanged)."""
 
     class JsonlShard(base):  # type: ignore[misc, valid-type]
-        def _open(self) -> Any:
-            return self._path.open("r", encoding="utf-8", errors=DECODE_ERRORS)
-
-        def __getitem__(self, index: int) -> dict[str, object]:
-            if index < 0 or (self._length is not None and index >= self._length):
-                raise IndexError(index)
-            target = index
-            with self._open() as handle:
-                for line in handle:
-                    if line.isspace():
-                        continue
-                    if target == 0:
-                        return json.loads(line.strip())
-                    target -= 1
-            raise IndexError(index)
-
-        def __len__(self) -> int:
-            if self._length is None:
-                with self._open() as handle:
-                    self._length = sum(1 for line in handle if not line.isspace())
-            return self._length
-
-        def getsamples(self, indices: list[int]) -> list[dict[str, object]]:
-            if not indices:
-                return []
-            for i in indices:
-                if i < 0 or (self._length is not None and i >= self._length):
-                    raise IndexError(i)
-            out: list[dict[str, object] | None] = [None] * len(indices)
-            waiting: defaultdict[int, list[int]] = defaultdict(list)
-            for pos, idx in enumerate(indices):
-                waiting[int(idx)].append(pos)
-            logical_index = 0
-            with self._open() as handle:
-                for line in handle:
-                    if line.isspace():
-                        continue
-                    positions = waiting.pop(logical_index, None)
-                    if positions is not None:
-                        obj = json.loads(line.strip())
-                        for pos in positions:
-                            out[pos] = obj
-                        if not waiting:
-                            break
-                    logical_index += 1
-            if waiting:
-                raise IndexError(min(waiting.keys()))
-            return cast(list[dict[str, object]], out)
+        def __init__(self, path: Any, *, length: int | None = None) -> None:
+            super().__init__(LenientPath(path), length=length)
 
     JsonlShard.__qualname__ = JsonlShard.__name__ = base.__name__
     JsonlShard.__module__ = __name__
@@ -137,7 +104,7 @@ def install() -> bool:
         return True
     base = getattr(jsonl, "JsonlShard", None)
     if not (callable(getattr(jsonl, "_count_records", None)) and isinstance(base, type)
-            and all(hasattr(base, name) for name in ("getsamples", "__getitem__", "__len__"))):
+            and all(hasattr(base, name) for name in ("getsamples", "__getitem__", "__len__", "__init__"))):
         return False  # pragma: no cover - another Zephon layout
     shard = _shard_class(base)
     globals()["JsonlShard"] = shard  # picklable by reference: zephon_loader.pipeline.jsonl_text.JsonlShard
