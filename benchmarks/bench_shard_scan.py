@@ -50,10 +50,10 @@ def main() -> None:
 
         timings = {}
         started = time.perf_counter()
-        open_source("web", "bench", folder)
+        open_source("web", "bench", str(folder), folder)
         timings["loader scan, cold (hash every byte)"] = time.perf_counter() - started
         started = time.perf_counter()
-        open_source("web", "bench", folder)
+        open_source("web", "bench", str(folder), folder)
         timings["loader scan, warm (stat + cached digests)"] = time.perf_counter() - started
         started = time.perf_counter()
         zephon.Dataset.from_path("web", str(folder)).total()

@@ -49,7 +49,7 @@ from pathlib import Path
 from zephon_loader.errors import field_error as _err
 from zephon_loader.zephon_compat import compression_of, decompress_to, jsonl_suffixes
 
-__all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "open_source"]
+__all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "list_shards", "open_source"]
 
 #: Environment variable naming the cache folder (content digests, decoded views).
 CACHE_ENV = "ZEPHON_LOADER_CACHE"
@@ -128,31 +128,60 @@ class SourceFiles:
         return out
 
 
-def _list_shards(where: str, folder: Path) -> tuple[tuple[str, ...], str]:
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+def list_shards(where: str, configured: str, path: Path) -> tuple[tuple[str, ...], str]:
+    """The shard files of a source folder in Zephon's order (sorted names), and their format.
+
+    Args:
+        where: The config location for messages, e.g. ``sources[0].path ('web')``.
+        configured: The path as configured (a URL is refused by name).
+        path: The resolved folder.
+
+    Returns:
+        ``(file names, "jsonl" | "parquet")``.
+
+    Raises:
+        ValueError: Not a local existing folder, no shards, or JSONL and Parquet mixed
+            (Zephon would silently read only the JSONL files).
+    """
+    if "://" in configured:
+        raise ValueError(_err(where, configured, "a local directory",
+                              "Download the shards and set the path to the local directory."))
+    raw = os.fspath(path)
+    if not path.exists():
+        raise ValueError(_err(where, raw, "an existing directory of .jsonl or .parquet shards", "Check the path."))
+    if not path.is_dir():
+        raise ValueError(_err(where, raw, "a directory (not a file)", "Pass the directory that holds the shards."))
+    names = sorted(p.name for p in path.iterdir() if p.is_file())
     jsonl = tuple(n for n in names if n.endswith(jsonl_suffixes()))
-    if jsonl:
-        return jsonl, "jsonl"
     parquet = tuple(n for n in names if n.endswith(_PARQUET_SUFFIX))
-    if not parquet:
-        raise ValueError(_err(where, os.fspath(folder), "a directory containing *.jsonl or *.parquet shards (none found)",
-                              "Point the source at the folder that holds the shard files."))
-    return parquet, "parquet"
+    if not jsonl and not parquet:
+        raise ValueError(
+            _err(where, raw, "a directory containing *.jsonl or *.parquet shards (none found)",
+                 "Point the source at the folder that holds the shard files.")
+        )
+    if jsonl and parquet:
+        raise ValueError(
+            _err(where, f"{len(jsonl)} .jsonl and {len(parquet)} .parquet files", "one shard format per directory",
+                 "Zephon reads only the JSONL files of a mixed directory; split the formats into two sources.")
+        )
+    return (jsonl, "jsonl") if jsonl else (parquet, "parquet")
 
 
-def open_source(name: str, where: str, folder: str | os.PathLike[str]) -> SourceFiles:
+def open_source(name: str, where: str, configured: str, folder: str | os.PathLike[str]) -> SourceFiles:
     """List, identify and hash one source's shards; check its Zephon index; make the view Zephon reads.
 
     Args:
         name: The source's name.
         where: Its config location for messages.
-        folder: The existing shard folder (``work_source.check_source_dir`` checked it).
+        configured: Its path as configured.
+        folder: That path resolved (relative to the config file).
 
     Raises:
-        ValueError: A stale ``index.json`` (naming the file, what differs and the rebuild command).
+        ValueError: Not a folder of shards of one format (:func:`list_shards`), or a stale ``index.json``
+            (naming the file, what differs and the rebuild command).
     """
+    files, kind = list_shards(where, configured, Path(folder))
     resolved = Path(os.path.realpath(folder))
-    files, kind = _list_shards(where, resolved)
     stats = [os.stat(resolved / n) for n in files]
     identities = tuple(_identity(s) for s in stats)
     digests, changed = _digests(resolved, files, identities)

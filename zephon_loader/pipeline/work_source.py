@@ -22,7 +22,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from zephon_loader.config.schema import LoaderConfig
@@ -30,7 +29,6 @@ from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
 from zephon_loader.pipeline.shards import SourceFiles, check_distinct, open_source
 from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
-from zephon_loader.zephon_compat import jsonl_suffixes
 
 __all__ = [
     "CHUNKS_PER_LANE",
@@ -46,43 +44,6 @@ __all__ = [
 
 #: Zephon's own default ``StaticMixtureWorkSource(chunk_size=...)``; the upper bound we pick from.
 DEFAULT_CHUNK_SIZE = 16384
-_PARQUET_SUFFIX = ".parquet"
-
-
-def check_source_dir(where: str, configured: str, path: Path) -> Path:
-    """A source folder that holds shards of one format.
-
-    Args:
-        where: The config location for messages, e.g. ``sources[0].path ('web')``.
-        configured: The path as configured (a URL is refused by name).
-        path: The resolved folder.
-
-    Raises:
-        ValueError: Not a local existing folder, no shards, or JSONL and Parquet mixed
-            (Zephon would silently read only the JSONL files).
-    """
-    if "://" in configured:
-        raise ValueError(_err(where, configured, "a local directory",
-                              "Download the shards and set the path to the local directory."))
-    raw = os.fspath(path)
-    if not path.exists():
-        raise ValueError(_err(where, raw, "an existing directory of .jsonl or .parquet shards", "Check the path."))
-    if not path.is_dir():
-        raise ValueError(_err(where, raw, "a directory (not a file)", "Pass the directory that holds the shards."))
-    names = [p.name for p in path.iterdir() if p.is_file()]
-    jsonl = [n for n in names if n.endswith(jsonl_suffixes())]
-    parquet = [n for n in names if n.endswith(_PARQUET_SUFFIX)]
-    if not jsonl and not parquet:
-        raise ValueError(
-            _err(where, raw, "a directory containing *.jsonl or *.parquet shards (none found)",
-                 "Point the source at the folder that holds the shard files.")
-        )
-    if jsonl and parquet:
-        raise ValueError(
-            _err(where, f"{len(jsonl)} .jsonl and {len(parquet)} .parquet files", "one shard format per directory",
-                 "Zephon reads only the JSONL files of a mixed directory; split the formats into two sources.")
-        )
-    return path
 
 
 def _liveness_required(share: float, chunk_size: int) -> int:
@@ -282,7 +243,7 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     files = []
     for i, source in enumerate(config.sources):
         where = f"dataloader.sources[{i}].path ({source.name!r})"
-        files.append(open_source(source.name, where, check_source_dir(where, source.path, config.resolve_path(source.path))))
+        files.append(open_source(source.name, where, source.path, config.resolve_path(source.path)))
     check_distinct(files)
     datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root) for f in files)
     counts = tuple(int(ds.total()) for ds in datasets)
