@@ -176,17 +176,20 @@ class WorkSource:
 
     Attributes:
         source: The ``zephon.StaticMixtureWorkSource`` (one pass of every source).
-        shards: Sample id → source, shard file and line/row (for error messages and drop logs).
         chunk_size: Records per work chunk (whole passes guaranteed).
         flush_every_k_chunks: Zephon's flush cadence for that chunk size.
         opened: The shard files it reads (the next epoch's work source reads the same).
     """
 
     source: Any
-    shards: ShardTable
     chunk_size: int
     flush_every_k_chunks: int
     opened: "OpenedSources"
+
+    @property
+    def shards(self) -> ShardTable:
+        """Sample id → source, shard file and line/row (for error messages and drop logs)."""
+        return self.opened.shards
 
 
 @dataclass(frozen=True)
@@ -306,7 +309,7 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
         # repeat: every source repeats until the slowest was read whole `passes` times (None: endless).
         **_pass_policy(once, config.passes),
     )
-    return WorkSource(source, sources.shards, chunk_size, flush_every_k_chunks, sources)
+    return WorkSource(source, chunk_size, flush_every_k_chunks, sources)
 
 
 def _pass_policy(once: bool, passes: int | None) -> dict[str, Any]:
