@@ -111,6 +111,21 @@ def zephon_pipeline(config: Mapping[str, Any] | Any, *, work_dir: str | os.PathL
     return build_pipeline(cfg, work_dir=work_dir, **kwargs).pipeline
 
 
+def text_config(folder: str | os.PathLike[str], tokenizer_dir: str | os.PathLike[str], **extra: Any) -> dict[str, Any]:
+    """A small text-loader config over one source ``web`` (wrap packing, S=32, B=2, in file order, inline)."""
+    config = {
+        "sources": [{"name": "web", "path": str(folder)}],
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "sequence_length": 32,
+        "micro_batch_size": 2,
+        "packing": {"algorithm": "wrap"},
+        "shuffle": False,
+        "read_ahead": 0,
+    }
+    config.update(extra)
+    return config
+
+
 def resealed(state: Mapping[str, Any]) -> dict[str, Any]:
     """A hand-edited loader state with its checksum made again (to test the checks behind the checksum)."""
     from zephon_loader.state import content_checksum

@@ -13,17 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import collect, make_texts
+from conftest import collect, make_texts, text_config
 from zephon_loader import build_text_loader
 from zephon_loader.config import text_loader_config
 from zephon_loader.errors import BadRecordError
 from zephon_loader.pipeline import jsonl_text
 
-#: An undecodable byte reaches the record checks only when Zephon's JSONL reader decodes with surrogateescape.
-needs_tolerant_reader = pytest.mark.skipif(
-    not jsonl_text.install(),
-    reason="zephon_compat.jsonl_reader_module() (Zephon's JSONL format module) is missing: undecodable bytes "
-           "still fail inside Zephon's reader")
+#: An undecodable byte reaches the record checks only when Zephon's JSONL reader decodes with surrogateescape:
+#: installed when the record checks are imported (a layout change in Zephon must fail here, not skip).
+assert jsonl_text.install() and jsonl_text.installed(), "Zephon's JSONL reader is not the one jsonl_text patches"
 
 GOOD = make_texts(40, seed=5, min_words=2, max_words=8)
 
@@ -41,26 +39,11 @@ def shard_folder(tmp_path: Path, first: bytes, name: str = "web") -> Path:
     return folder
 
 
-def config(folder: Path, tokenizer_dir: Path, **extra):
-    values = {
-        "sources": [{"name": "web", "path": str(folder)}],
-        "tokenizer": {"path": str(tokenizer_dir)},
-        "sequence_length": 32,
-        "micro_batch_size": 2,
-        "packing": {"algorithm": "wrap"},
-        "shuffle": False,
-        "read_ahead": 0,
-    }
-    values.update(extra)
-    return values
-
-
 # Line 7 of part-00000.jsonl: an undecodable byte (0xff, Latin-1 0xe9) inside the text, or a JSON-escaped
 # lone surrogate. Before: UnicodeDecodeError at build (Zephon's count scan), UnicodeEncodeError at the first
 # batch; no source, shard or line, whatever on_bad_record said.
 UNDECODABLE = {
-    "invalid_utf8": pytest.param((b'{"text": "caf\xe9 and \xff here"}', "the byte 0xe9 at character 3, which is "
-                                  "not UTF-8"), marks=needs_tolerant_reader),
+    "invalid_utf8": (b'{"text": "caf\xe9 and \xff here"}', "the byte 0xe9 at character 3, which is not UTF-8"),
     "lone_surrogate": (b'{"text": "lone \\ud800 half"}', "a lone surrogate \\ud800 at character 5"),
     "lone_low_surrogate": (b'{"text": "x\\udc80"}', "the byte 0x80 at character 1"),
 }
@@ -76,7 +59,7 @@ def with_line_7(line: bytes) -> bytes:
 def test_undecodable_text_is_refused_with_its_location(case, tmp_path, tokenizer_dir):
     line, seen = case
     folder = shard_folder(tmp_path, with_line_7(line))
-    with build_text_loader(config(folder, tokenizer_dir)) as loader:
+    with build_text_loader(text_config(folder, tokenizer_dir)) as loader:
         with pytest.raises(BadRecordError) as info:
             collect(loader)
     text = str(info.value)
@@ -87,7 +70,7 @@ def test_undecodable_text_is_refused_with_its_location(case, tmp_path, tokenizer
 @pytest.mark.parametrize("case", UNDECODABLE.values(), ids=UNDECODABLE)
 def test_undecodable_text_is_counted_under_skip(case, tmp_path, tokenizer_dir, tokenizer):
     folder = shard_folder(tmp_path, with_line_7(case[0]))
-    with build_text_loader(config(folder, tokenizer_dir, on_bad_record="skip")) as loader:
+    with build_text_loader(text_config(folder, tokenizer_dir, on_bad_record="skip")) as loader:
         batches = collect(loader)
         report = loader.stats()
     assert report["dropped"] == {"not_utf8": {"documents": 1, "tokens": 0,
@@ -102,7 +85,6 @@ def test_undecodable_text_is_counted_under_skip(case, tmp_path, tokenizer_dir, t
     assert sum(len(row) + 1 for row in rows) >= len(expected) - 1
 
 
-@needs_tolerant_reader
 def test_undecodable_chat_content_is_refused(tmp_path, tokenizer_dir):
     from conftest import CHAT_TEMPLATE
 
@@ -111,7 +93,7 @@ def test_undecodable_chat_content_is_refused(tmp_path, tokenizer_dir):
     folder = tmp_path / "chat"
     folder.mkdir()
     (folder / "part-00000.jsonl").write_bytes(b"".join([good.encode() + b"\n"] * 3 + [bad + b"\n"]))
-    values = config(folder, tokenizer_dir, tokenizer={"path": str(tokenizer_dir), "chat_field": "messages",
+    values = text_config(folder, tokenizer_dir, tokenizer={"path": str(tokenizer_dir), "chat_field": "messages",
                                                       "chat_template": CHAT_TEMPLATE})
     with build_text_loader(values) as loader:
         with pytest.raises(BadRecordError, match=r"line 4: field 'messages\[1\]\.content' got the byte 0xff"):
@@ -125,7 +107,7 @@ def test_valid_utf8_reads_as_before(tmp_path, tokenizer_dir, tokenizer):
     folder = tmp_path / "web"
     folder.mkdir()
     (folder / "part-00000.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    with build_text_loader(config(folder, tokenizer_dir, micro_batch_size=1, sequence_length=512)) as loader:
+    with build_text_loader(text_config(folder, tokenizer_dir, micro_batch_size=1, sequence_length=512)) as loader:
         (batch,) = collect(loader)
         assert loader.stats()["dropped"] == {}
     row = batch["input_ids"][0][~batch["padding_mask"][0]].tolist()
@@ -170,22 +152,22 @@ def test_a_huge_record_is_refused_by_default_in_bounded_time(tmp_path, tokenizer
     big = ("alpha beta gamma " * (6 * 2**20 // 17 + 1))[: 6 * 2**20]
     lines = good_bytes(GOOD[:5]) + json.dumps({"text": big}).encode() + b"\n" + good_bytes(GOOD[5:20])
     folder = shard_folder(tmp_path, lines)
-    assert text_loader_config(**config(folder, tokenizer_dir)).max_record_bytes == DEFAULT_MAX_RECORD_BYTES
+    assert text_loader_config(**text_config(folder, tokenizer_dir)).max_record_bytes == DEFAULT_MAX_RECORD_BYTES
     start = time.monotonic()
-    with build_text_loader(config(folder, tokenizer_dir)) as loader:
+    with build_text_loader(text_config(folder, tokenizer_dir)) as loader:
         with pytest.raises(BadRecordError) as info:
             collect(loader)
     assert time.monotonic() - start < 60  # tokenizing it took ~10 s here; reading and refusing it well under
     assert (f"source 'web', shard {folder / 'part-00000.jsonl'}, line 6: field 'text' got {len(big)} bytes, "
             f"expected at most max_record_bytes={DEFAULT_MAX_RECORD_BYTES}. Split the document, or raise "
             "max_record_bytes") in str(info.value)
-    with build_text_loader(config(folder, tokenizer_dir, on_bad_record="skip")) as loader:
+    with build_text_loader(text_config(folder, tokenizer_dir, on_bad_record="skip")) as loader:
         collect(loader)
         assert loader.stats()["dropped"]["too_many_bytes"]["documents"] == 1
 
 
 def test_max_record_bytes_null_still_means_no_limit(tmp_path, tokenizer_dir):
-    assert text_loader_config(**config(tmp_path, tokenizer_dir, max_record_bytes=None)).max_record_bytes is None
+    assert text_loader_config(**text_config(tmp_path, tokenizer_dir, max_record_bytes=None)).max_record_bytes is None
 
 
 # ----------------------------------------------------------------------------- sizes and mixtures
@@ -195,7 +177,7 @@ def test_max_record_bytes_null_still_means_no_limit(tmp_path, tokenizer_dir):
 def test_an_absurd_batch_size_is_refused_at_validation(key, value, tmp_path, tokenizer_dir):
     """Before: accepted, then an allocator error at the first batch (7.45 GiB / 512 GB)."""
     with pytest.raises(ValueError) as info:
-        text_loader_config(**config(tmp_path, tokenizer_dir, **{key: value}))
+        text_loader_config(**text_config(tmp_path, tokenizer_dir, **{key: value}))
     text = str(info.value)
     b, s = (value, 32) if key == "micro_batch_size" else (2, value)
     assert text.startswith(f"dataloader.micro_batch_size * sequence_length: got {b} * {s} = {b * s} tokens per "
@@ -205,7 +187,7 @@ def test_an_absurd_batch_size_is_refused_at_validation(key, value, tmp_path, tok
 
 def test_large_but_plausible_batches_are_accepted(tmp_path, tokenizer_dir):
     for b, s in ((1, 2**20), (8, 131072), (1024, 8192), (1, 2**27)):
-        text_loader_config(**config(tmp_path, tokenizer_dir, micro_batch_size=b, sequence_length=s))
+        text_loader_config(**text_config(tmp_path, tokenizer_dir, micro_batch_size=b, sequence_length=s))
 
 
 def test_a_mixture_whose_pass_cannot_end_warns():

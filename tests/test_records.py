@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import collect, make_texts, write_jsonl_shards, write_parquet_shards
+from conftest import collect, make_texts, text_config, write_jsonl_shards, write_parquet_shards
 from zephon_loader import build_text_loader
 from zephon_loader.errors import BadRecordError
 
@@ -25,20 +25,6 @@ def write_lines(folder: Path, lines: list[str]) -> Path:
     (folder / "part-00000.jsonl").write_text("".join(line + "\n" for line in lines))
     (folder / "part-00001.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GOOD[8:]))
     return folder
-
-
-def text_config(folder: Path, tokenizer_dir: Path, **extra):
-    config = {
-        "sources": [{"name": "web", "path": str(folder)}],
-        "tokenizer": {"path": str(tokenizer_dir)},
-        "sequence_length": 32,
-        "micro_batch_size": 2,
-        "packing": {"algorithm": "wrap"},
-        "shuffle": False,
-        "read_ahead": 0,
-    }
-    config.update(extra)
-    return config
 
 
 def good_lines() -> list[str]:
