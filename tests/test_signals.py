@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest

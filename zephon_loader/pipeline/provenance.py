@@ -15,13 +15,11 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from zephon_loader.errors import BadRecordError
 
 __all__ = ["DropLog", "ShardTable", "SourceShards"]
-
 
 
 # ----------------------------------------------------------------------------- where a record is

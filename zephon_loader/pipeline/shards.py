@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zephon_loader.errors import field_error as _err
-from zephon_loader.zephon_compat import compression_of, decompress_to, jsonl_suffixes
+from zephon_loader.zephon_compat import compression_of, decompress_to, forget_catalog, jsonl_suffixes
 
 __all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "list_shards", "open_source"]
 
@@ -193,8 +193,6 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
         root, readable = str(resolved), tuple(str(resolved / n) for n in files)
     source = SourceFiles(name, where, str(resolved), files, kind, identities, digests, root, readable)
     if changed and root == str(resolved):
-        from zephon_loader.zephon_compat import forget_catalog
-
         forget_catalog(root, kind)  # Zephon keys its catalog by names and sizes: a same-size edit would not re-key it
     return source
 
@@ -321,5 +319,4 @@ def _decoded_view(folder: Path, files: Sequence[str], compressed: Sequence[str |
 def _plain_name(name: str, compression: str | None) -> str:
     if compression is None:
         return name
-    stem = name[: name.rindex(".jsonl") + len(".jsonl")]
-    return stem
+    return name[: name.rindex(".jsonl") + len(".jsonl")]
