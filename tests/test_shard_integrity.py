@@ -232,3 +232,17 @@ def test_two_sources_on_one_folder_are_refused(tmp_path, corpus_texts, tokenizer
     os.link(folder / "part-00000.jsonl", tmp_path / "two" / "part-00000.jsonl")
     with pytest.raises(ValueError, match=r"reads a shard file \(the same inode\)"):
         build_text_loader(config(folder, tmp_path / "two", tokenizer_dir=tokenizer_dir))
+
+
+# ----------------------------------------------------------------------------- object storage without its client
+
+
+@pytest.mark.parametrize(("url", "extra"), [("s3://bucket/web", "s3"), ("gs://bucket/web", "gcs"),
+                                            ("az://container/web", "azure")])
+def test_a_url_without_the_object_store_client_names_the_pip_command(monkeypatch, tokenizer_dir, url, extra):
+    """Before: every URL was refused ("expected a local directory"). Now a URL is read, and without Zephon's
+    cloud client (obstore) the build says in one line which extra installs it."""
+    monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore -> ImportError
+    with pytest.raises(ValueError) as missing:
+        build_text_loader(config(url, tokenizer_dir=tokenizer_dir))
+    assert f"pip install 'zephon-loader[{extra}]'" in str(missing.value) and url in str(missing.value)

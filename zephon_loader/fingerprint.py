@@ -10,7 +10,9 @@ batch stream:
   not paths or mtimes: a run may resume where the data is mounted elsewhere or
   was copied, but a different folder, an added, removed, truncated or
   rewritten shard — also an edit in the middle that keeps the size — is refused;
-  the message names the changed shards (:func:`describe_difference`).
+  the message names the changed shards (:func:`describe_difference`). A shard on object storage
+  is identified by its size and ETag instead (listed, not downloaded): a state saved on a local copy
+  is refused on the same shards in a bucket, and the other way, with a message that says so.
 * the **tokenizer's identity**: a SHA-256 over the names and contents of the
   files in its folder;
 * the packing, sequence, seed, mixture and label settings, the effective
@@ -43,6 +45,11 @@ def describe_difference(key: str, saved: Any, now: Any) -> str:
             if before is None or after is None:
                 parts.append(f"source {source!r} {'added' if before is None else 'removed'}")
                 continue
+            if _identified_by(before) != _identified_by(after):
+                parts.append(f"source {source!r}: the state identifies its shards by {_identified_by(before)}, "
+                             f"this loader by {_identified_by(after)}; a state resumes only on shards in the same "
+                             "kind of place (local files by their bytes, objects by their ETags)")
+                continue
             changes = [f"{name} {'added' if name not in before else 'removed' if name not in after else 'changed'}"
                        for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
             more = f", and {len(changes) - 3} more of {len(after)}" if len(changes) > 3 else ""
@@ -55,6 +62,12 @@ def _by_name(shards: Any) -> dict[str, Any] | None:
     if not isinstance(shards, list):
         return None
     return {str(entry[0]): entry[1:] for entry in shards if isinstance(entry, list) and entry}
+
+
+def _identified_by(shards: Mapping[str, Any]) -> str:
+    """How a source's fingerprint entries identify its shards: a remote object's entry ends with ``"etag"``."""
+    remote = any(isinstance(v, list) and v[-1:] == ["etag"] for v in shards.values())
+    return "ETag (object storage)" if remote else "SHA-256 (local files)"
 
 
 def _cut(value: Any) -> str:

@@ -20,6 +20,8 @@ upgrade is checked in this file.
   :func:`compression_of` and :func:`decompress_to` (its shard decoders),
   :func:`forget_catalog` (its cached shard catalog of a folder),
   :func:`jsonl_reader_module` (its JSONL reader, made to keep undecodable bytes).
+* Object storage: :func:`store_objects` (a prefix's objects with their ETags, through the client Zephon
+  reads with), :func:`read_object_range` and :func:`read_object` (an object's bytes).
 
 Imports nothing from :mod:`zephon_loader`; Zephon itself is imported inside
 the functions that need it, so importing this module stays cheap.
@@ -46,9 +48,12 @@ __all__ = [
     "explained_window_warnings",
     "jsonl_suffixes",
     "local_position",
+    "read_object",
     "release_rounds",
     "round_coordinator",
+    "read_object_range",
     "runtime_options",
+    "store_objects",
     "worker_crash_info",
 ]
 
@@ -366,6 +371,60 @@ def forget_catalog(root: str, kind: str) -> None:
         pointer.unlink(missing_ok=True)
     except OSError:  # another user's catalog folder: nothing cached for us there
         pass
+
+
+_ROUTER: Any = None
+_ROUTER_LOCK = threading.Lock()
+
+
+def _router() -> Any:
+    """One ``RouterStorageBackend`` per process (it caches a store per bucket, credentials resolved once)."""
+    global _ROUTER
+    with _ROUTER_LOCK:
+        if _ROUTER is None:
+            from zephon._internal.io.storage.router import RouterStorageBackend
+
+            _ROUTER = RouterStorageBackend()
+        return _ROUTER
+
+
+def store_objects(url: str) -> list[dict[str, Any]]:
+    """The objects directly under a prefix URL (``s3://bucket/prefix``), each ``{"name", "size", "e_tag",
+    "last_modified"}`` (``last_modified`` a ``datetime``, ``e_tag`` as the store sends it, ``None`` when absent).
+
+    Lists with the obstore client Zephon's own reader uses (``RouterStorageBackend._backend_for(url)
+    ._get_store(bucket)``: the same credentials, region and ``S3_ENDPOINT_URL``): its public ``listdir``/``walk``
+    give names and sizes but no ETag, which the resume fingerprint needs. One list request per 1,000 objects.
+    Raises the store's own exception (obstore's), unchanged.
+    """
+    import obstore as obs
+    from zephon._internal.io.storage._utils import split_url
+
+    _, bucket, prefix = split_url(url)
+    base = prefix if (not prefix or prefix.endswith("/")) else prefix + "/"
+    store = _router()._backend_for(url)._get_store(bucket)
+    out = []
+    for chunk in obs.list(store, prefix=base):
+        for obj in chunk:
+            name = str(obj["path"])[len(base):] if str(obj["path"]).startswith(base) else ""
+            if name and "/" not in name:
+                out.append({"name": name, "size": int(obj["size"]), "e_tag": obj.get("e_tag"),
+                            "last_modified": obj.get("last_modified")})
+    return sorted(out, key=lambda o: o["name"])
+
+
+def read_object(url: str) -> bytes:
+    """A whole object's bytes, through the client Zephon reads with (for error paths: re-reading a line)."""
+    import obstore as obs
+    from zephon._internal.io.storage._utils import split_url
+
+    _, bucket, key = split_url(url)
+    return bytes(obs.get(_router()._backend_for(url)._get_store(bucket), key).bytes())
+
+
+def read_object_range(url: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object (Zephon's ``RouterStorageBackend.read_range``; a local path works too)."""
+    return bytes(_router().read_range(url, start, end=end))
 
 
 #: Zephon 0.2's warnings about a checkpoint cut inside a global window (``engine.Engine``), and what they mean

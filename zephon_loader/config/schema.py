@@ -45,8 +45,9 @@ class SourceConfig:
 
     Attributes:
         name: Unique name (Zephon's dataset name).
-        path: Directory holding ``*.jsonl``/``*.parquet`` shards; relative paths
-            resolve against the YAML file's folder, ``pkg://`` inside the package.
+        path: Directory holding ``*.jsonl``/``*.parquet`` shards, or a prefix on object
+            storage (``s3://bucket/prefix``, ``gs://``, ``az://``: "Data on object storage");
+            relative paths resolve against the YAML file's folder, ``pkg://`` inside the package.
         weight: Mixture weight, > 0.
     """
 

@@ -148,8 +148,12 @@ class _Stream:
     def _explain(self, error: Exception) -> Exception | None:
         """A clearer error for a failure of Zephon's (``None``: keep it): a shard changed since the build
         explains any read failure; a JSONL line Zephon's reader could not parse is located; a worker's bad
-        record is a ``BadRecordError`` under every runner."""
-        changed = self.shards.changed_files() if self.shards is not None else None
+        record is a ``BadRecordError`` under every runner; a store of remote shards that cannot be reached
+        is named (the URL, what it answered, what to check)."""
+        try:
+            changed = self.shards.changed_files() if self.shards is not None else None
+        except ValueError as unreachable:  # a remote source's store: listing it again failed too
+            return unreachable
         if changed:
             return ValueError(changed)
         if isinstance(error, json.JSONDecodeError) and self.shards is not None:

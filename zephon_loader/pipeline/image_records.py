@@ -219,6 +219,10 @@ class ProcessImageRecords(RecordOperator):
                 if not isinstance(entry, str) or not entry:
                     return None, ("wrong_type", field, self.describe(entry), "an image file path (JSONL shards)",
                                   "Store each image as a path relative to the shard's folder.")
+                if "://" in folder and not os.path.isabs(entry):
+                    return None, ("wrong_type", field, self.describe(entry), "an image this machine can open",
+                                  "Paths relative to a shard on object storage are not fetched; store the images "
+                                  "as bytes in Parquet shards (a list<binary> column).")
                 data = entry if os.path.isabs(entry) else os.path.join(folder, entry)
             image, problem = decode_image(data, field)
             if problem is not None:

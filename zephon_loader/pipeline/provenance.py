@@ -95,7 +95,7 @@ class ShardTable:
                 text = src.text_path(shard)
                 if not text.endswith(".jsonl"):
                     continue
-                with open(text, encoding="utf-8", errors="replace") as handle:
+                with _open_text(text) as handle:
                     for number, line in enumerate(handle, start=1):
                         if line.isspace():
                             continue
@@ -117,16 +117,28 @@ def _physical_line(file: str, index: int) -> int | None:
     if not file.endswith(".jsonl"):
         return None  # compressed shards: Zephon's index is all we can name cheaply
     try:
-        with open(file, encoding="utf-8", errors="replace") as handle:
+        with _open_text(file) as handle:
             seen = -1
             for number, line in enumerate(handle, start=1):
                 if not line.isspace():
                     seen += 1
                     if seen == index:
                         return number
-    except OSError:
+    except Exception:  # noqa: BLE001 - an unreadable file or object: the record index is named instead
         return None
     return None
+
+
+def _open_text(path: str) -> Any:
+    """A shard's lines as text (undecodable bytes replaced): a local file, or an object on storage (downloaded,
+    on these error paths only)."""
+    if "://" not in path:
+        return open(path, encoding="utf-8", errors="replace")
+    import io
+
+    from zephon_loader.zephon_compat import read_object
+
+    return io.StringIO(read_object(path).decode("utf-8", errors="replace"))
 
 
 # ----------------------------------------------------------------------------- drop log

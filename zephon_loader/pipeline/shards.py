@@ -27,6 +27,9 @@ when a loader is built; every epoch's pipeline reads the same files:
   is refused naming the file and the command that rebuilds it. When a file's
   identity changed since the last build on this machine, Zephon's cached shard
   catalog of the folder is dropped so that Zephon counts the records again.
+* **On object storage** (a source path ``s3://``, ``gs://``, ``az://``): listed with the ETag of each
+  object, which stands for its content (nothing downloaded), and read by Zephon itself
+  (:mod:`zephon_loader.pipeline.object_store`).
 * **While the loader runs** (:meth:`SourceFiles.changes`): a shard changed,
   truncated or removed after the build is named (source, path, what changed)
   when an epoch starts and when Zephon fails to read; shards added after the
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zephon_loader.errors import field_error as _err
+from zephon_loader.pipeline import object_store
 from zephon_loader.zephon_compat import compression_of, decompress_to, forget_catalog, jsonl_suffixes
 
 __all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "list_shards", "open_source"]
@@ -83,14 +87,16 @@ class SourceFiles:
     Attributes:
         name: The source's name.
         where: Its config location, e.g. ``dataloader.sources[0].path ('web')``.
-        folder: The folder (resolved: symlinks followed).
+        folder: The folder (resolved: symlinks followed), or the prefix URL of a remote source.
         files: Shard file names in Zephon's shard-id order.
         kind: ``"jsonl"`` | ``"parquet"``.
-        identities: Per file, ``(size, mtime_ns, ctime_ns, inode, device)`` at the build.
-        digests: Per file, the SHA-256 (hex) of its bytes.
+        identities: Per file, ``(size, mtime_ns, ctime_ns, inode, device)`` at the build; for a remote
+            source ``(size, ETag, last change in ns)``.
+        digests: Per file, the SHA-256 (hex) of its bytes; for a remote object, of its ETag and size.
         zephon_root: The folder Zephon reads (``folder``, or the decoded view of compressed shards).
         readable: Per file, the path holding its records as plain text (the decoded copy of a
-            compressed shard), for re-reading a line on an error path.
+            compressed shard; the URL of a remote one), for re-reading a line on an error path.
+        remote: Whether the source is on object storage.
     """
 
     name: str
@@ -98,21 +104,30 @@ class SourceFiles:
     folder: str
     files: tuple[str, ...]
     kind: str
-    identities: tuple[Identity, ...]
+    identities: tuple[tuple[object, ...], ...]
     digests: tuple[str, ...]
     zephon_root: str
     readable: tuple[str, ...] = field(default=())
+    remote: bool = False
 
     def fingerprint(self) -> list[list[object]]:
-        """``[[file name, size, sha256[:16]], ...]``: the resume fingerprint's part for this source."""
-        return [[name, ident[0], digest[:16]] for name, ident, digest in zip(self.files, self.identities, self.digests,
-                                                                             strict=True)]
+        """``[[file name, size, sha256[:16]], ...]``: the resume fingerprint's part for this source; a remote
+        object's entry ends with ``"etag"`` (its digest is of the ETag, not of the bytes)."""
+        mark = ["etag"] if self.remote else []
+        return [[name, ident[0], digest[:16], *mark]
+                for name, ident, digest in zip(self.files, self.identities, self.digests, strict=True)]
 
     def changes(self) -> list[str]:
         """What changed in the shard files since the build: ``["<path>: 4096 -> 2048 bytes", ...]`` (empty: none).
 
-        A stat per file; the content is not read again (a rewrite changes ``mtime``/``ctime``).
+        A stat per file; the content is not read again (a rewrite changes ``mtime``/``ctime``). A remote source
+        is listed again (one request per 1,000 objects): a new size or ETag is a change.
+
+        Raises:
+            ValueError: A remote source's store cannot be reached (naming the URL and what to check).
         """
+        if self.remote:
+            return object_store.remote_changes(self.where, self.folder, self.files, self.identities)
         out = []
         for name, before in zip(self.files, self.identities, strict=True):
             path = os.path.join(self.folder, name)
@@ -129,34 +144,39 @@ class SourceFiles:
 
 
 def list_shards(where: str, configured: str, path: Path) -> tuple[tuple[str, ...], str]:
-    """The shard files of a source folder in Zephon's order (sorted names), and their format.
+    """The shard files of a local source folder in Zephon's order (sorted names), and their format.
 
     Args:
         where: The config location for messages, e.g. ``sources[0].path ('web')``.
-        configured: The path as configured (a URL is refused by name).
+        configured: The path as configured.
         path: The resolved folder.
 
     Returns:
         ``(file names, "jsonl" | "parquet")``.
 
     Raises:
-        ValueError: Not a local existing folder, no shards, or JSONL and Parquet mixed
+        ValueError: Not an existing folder, no shards, or JSONL and Parquet mixed
             (Zephon would silently read only the JSONL files).
     """
-    if "://" in configured:
-        raise ValueError(_err(where, configured, "a local directory",
-                              "Download the shards and set the path to the local directory."))
     raw = os.fspath(path)
     if not path.exists():
         raise ValueError(_err(where, raw, "an existing directory of .jsonl or .parquet shards", "Check the path."))
     if not path.is_dir():
         raise ValueError(_err(where, raw, "a directory (not a file)", "Pass the directory that holds the shards."))
-    names = sorted(p.name for p in path.iterdir() if p.is_file())
+    return shard_format(where, raw, sorted(p.name for p in path.iterdir() if p.is_file()))
+
+
+def shard_format(where: str, shown: str, names: Sequence[str]) -> tuple[tuple[str, ...], str]:
+    """``(shard names, "jsonl" | "parquet")`` among a folder's (or prefix's) sorted file names.
+
+    Raises:
+        ValueError: No shards, or JSONL and Parquet mixed.
+    """
     jsonl = tuple(n for n in names if n.endswith(jsonl_suffixes()))
     parquet = tuple(n for n in names if n.endswith(_PARQUET_SUFFIX))
     if not jsonl and not parquet:
         raise ValueError(
-            _err(where, raw, "a directory containing *.jsonl or *.parquet shards (none found)",
+            _err(where, shown, "a directory containing *.jsonl or *.parquet shards (none found)",
                  "Point the source at the folder that holds the shard files.")
         )
     if jsonl and parquet:
@@ -178,14 +198,17 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
 
     Raises:
         ValueError: Not a folder of shards of one format (:func:`list_shards`), or a stale ``index.json``
-            (naming the file, what differs and the rebuild command).
+            (naming the file, what differs and the rebuild command); for a URL also an unknown scheme, a
+            missing client or a store that refuses the listing.
     """
+    if object_store.is_url(configured):
+        return _open_remote(name, where, configured)
     files, kind = list_shards(where, configured, Path(folder))
     resolved = Path(os.path.realpath(folder))
     stats = [os.stat(resolved / n) for n in files]
     identities = tuple(_identity(s) for s in stats)
     digests, changed = _digests(resolved, files, identities)
-    _check_index(where, resolved, files, kind, stats)
+    _check_local_index(where, resolved, files, kind, stats)
     compressed = [compression_of(n) for n in files]
     if any(compressed):
         root, readable = _decoded_view(resolved, files, compressed, digests)
@@ -197,11 +220,35 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
     return source
 
 
+def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
+    """:func:`open_source` for a prefix URL: one listing (sizes, ETags), the index checked, nothing downloaded."""
+    url = object_store.check_url(where, configured)
+    objects = object_store.list_objects(where, url)
+    by_name = {o["name"]: o for o in objects}
+    files, kind = shard_format(where, url, [o["name"] for o in objects])
+    identities = tuple(object_store.identity(by_name[n]) for n in files)
+    index = next((n for n in _INDEX_NAMES if n in by_name), None)
+    if index is not None:
+        from zephon_loader.zephon_compat import read_object_range
+
+        ident = object_store.identity(by_name[index])
+        try:
+            text = read_object_range(f"{url}/{index}", 0, ident[0]).decode("utf-8")
+        except Exception as error:  # noqa: BLE001 - obstore's errors
+            raise ValueError(object_store.store_failure(where, f"{url}/{index}", error, "reading")) from None
+        # An upload's time is not the content's (a sync may send index.json first): names and sizes only.
+        _check_index(where, f"{url}/{index}", text, None, files, [(i[0], 0) for i in identities], kind, url)
+    digests = tuple(object_store.digest_of(i) for i in identities)
+    return SourceFiles(name, where, url, files, kind, identities, digests, url,
+                       tuple(f"{url}/{n}" for n in files), remote=True)
+
+
 def check_distinct(sources: Sequence[SourceFiles]) -> None:
     """Refuse two sources that read one folder or one file (every record would be delivered twice)."""
     seen: dict[object, SourceFiles] = {}
     for source in sources:
-        for key in [("folder", source.folder)] + [("file", ident[3:]) for ident in source.identities]:
+        inodes = [] if source.remote else [("file", ident[3:]) for ident in source.identities]
+        for key in [("folder", source.folder)] + inodes:
             other = seen.setdefault(key, source)
             if other is not source:
                 what = (f"the folder {source.folder}" if key[0] == "folder" else
@@ -254,31 +301,48 @@ def _digests(folder: Path, files: Sequence[str], identities: Sequence[Identity])
 # ----------------------------------------------------------------------------- Zephon's index
 
 
-def _check_index(where: str, folder: Path, files: Sequence[str], kind: str, stats: Sequence[os.stat_result]) -> None:
-    """Refuse an index file that no longer describes the shards (Zephon would read by it: records hidden)."""
+def _check_local_index(where: str, folder: Path, files: Sequence[str], kind: str,
+                       stats: Sequence[os.stat_result]) -> None:
+    """:func:`_check_index` for a local folder's ``index.json`` (if it has one)."""
     index = next((folder / n for n in _INDEX_NAMES if (folder / n).is_file()), None)
     if index is None:
         return
+    try:
+        text = index.read_text(encoding="utf-8")
+    except OSError as error:
+        text = f"<unreadable: {error}>"
+    _check_index(where, os.fspath(index), text, index.stat().st_mtime_ns, files,
+                 [(st.st_size, st.st_mtime_ns) for st in stats], kind, os.fspath(folder))
+
+
+def _check_index(where: str, index: str, text: str, index_time: int | None, files: Sequence[str],
+                 sizes_times: Sequence[tuple[int, int]], kind: str, folder: str) -> None:
+    """Refuse an index file that no longer describes the shards (Zephon would read by it: records hidden).
+
+    Args:
+        index: The index file's path or URL; ``text`` its content, ``index_time`` its last change (ns;
+            ``None``: not compared, as for an object, whose time is its upload's).
+        sizes_times: Per shard, ``(size, last change in ns)``.
+    """
     rebuild = f"python -m zephon.build_index {kind} {folder}"
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
+        data = json.loads(text)
         listed = {str(s["basename"]): int(s["bytes"]) for s in data["shards"]}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(_err(where, os.fspath(index), "a Zephon index (format_version, shards)",
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(_err(where, index, "a Zephon index (format_version, shards)",
                               f"It does not parse ({type(error).__name__}); rebuild it: {rebuild}")) from error
-    index_time = index.stat().st_mtime_ns
     problems = []
-    for name, stat in zip(files, stats, strict=True):
+    for name, (size, changed) in zip(files, sizes_times, strict=True):
         if name not in listed:
             problems.append(f"{name} is not in it")
-        elif listed[name] != stat.st_size:
-            problems.append(f"{name} has {stat.st_size} bytes, the index says {listed[name]}")
-        elif stat.st_mtime_ns > index_time:
+        elif listed[name] != size:
+            problems.append(f"{name} has {size} bytes, the index says {listed[name]}")
+        elif index_time is not None and changed > index_time:
             problems.append(f"{name} was modified after the index was written")
     problems += [f"{name} is in it but not in the folder" for name in sorted(set(listed) - set(files))]
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise ValueError(_err(where, os.fspath(index), "an index that describes the shards as they are",
+        raise ValueError(_err(where, index, "an index that describes the shards as they are",
                               f"It is stale ({shown}), so Zephon would read by it and miss or misplace records. "
                               f"Rebuild it after every change to the shards: {rebuild} (or delete it)."))
 

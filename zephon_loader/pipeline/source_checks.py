@@ -44,24 +44,28 @@ _CASTS = {"string_view": "pa.large_string()", "binary_view": "pa.large_binary()"
           "large_list_view": "pa.large_list(...)"}
 
 
-def check_parquet_columns(source: str, files: Sequence[str | os.PathLike[str]]) -> None:
+def check_parquet_columns(source: str, files: Sequence[str | os.PathLike[str]],
+                          sizes: Sequence[int] | None = None) -> None:
     """Refuse a Parquet shard with a column Zephon 0.2.0's reader cannot take rows of (``string_view``, ...).
 
     Reads each file's footer only (its schema). Call it once per build for each Parquet source.
 
     Args:
         source: The source's name (for the message).
-        files: Its Parquet shard files.
+        files: Its Parquet shard files (local paths, or object URLs with ``sizes``).
+        sizes: Per object its size, for files on object storage (the footer is read by two range reads).
 
     Raises:
         ValueError: Naming the source, shard file, column, its type and the cast that fixes it.
     """
     import pyarrow.parquet as pq
 
-    for path in files:
+    from zephon_loader.pipeline.object_store import read_parquet_schema
+
+    for i, path in enumerate(files):
         file = os.fspath(path)
         try:
-            schema = pq.read_schema(file)
+            schema = pq.read_schema(file) if sizes is None else read_parquet_schema(file, sizes[i])
         except Exception:  # noqa: BLE001 - an unreadable footer is reported where Zephon reads it
             continue
         for column in schema:

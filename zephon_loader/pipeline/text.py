@@ -28,6 +28,8 @@ from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
 from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY
 from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
+from zephon_loader.pipeline.object_store import store_options
+from zephon_loader.pipeline.shards import cache_dir
 from zephon_loader.pipeline.work_source import OpenedSources, WorkSource, build_work_source, lane_options
 
 __all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "BuiltPipeline", "DataParallel", "build_pipeline", "runtime_options"]
@@ -287,5 +289,6 @@ def runtime_options(config: Any, dp: DataParallel, work: WorkSource, run_id_suff
         aggregate_store=dp.aggregate_store or dist.aggregate_store, run_id=run_id,
     )
     options["flush_every_k_chunks"] = work.flush_every_k_chunks
+    options.update(store_options(work.opened.files, cache_dir()))  # sources on object storage: Zephon's shard cache
     options.update(config.runtime.options())
     return options

@@ -26,6 +26,7 @@ from typing import Any
 
 from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
+from zephon_loader.pipeline.object_store import is_url, store_failure
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
 from zephon_loader.pipeline.shards import SourceFiles, check_distinct, open_source
 from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
@@ -246,9 +247,10 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     files = []
     for i, source in enumerate(config.sources):
         where = f"dataloader.sources[{i}].path ({source.name!r})"
-        files.append(open_source(source.name, where, source.path, config.resolve_path(source.path)))
+        folder = source.path if is_url(source.path) else config.resolve_path(source.path)
+        files.append(open_source(source.name, where, source.path, folder))
     check_distinct(files)
-    datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root) for f in files)
+    datasets = tuple(_discover(zephon, f) for f in files)
     counts = tuple(int(ds.total()) for ds in datasets)
     for f, n in zip(files, counts, strict=True):
         if n == 0:
@@ -257,10 +259,22 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
                       passes=config.passes)
     for f in files:
         if f.kind == "parquet":
-            check_parquet_columns(f.name, [os.path.join(f.folder, n) for n in f.files])
+            check_parquet_columns(f.name, [os.path.join(f.folder, n) for n in f.files],
+                                  sizes=[int(i[0]) for i in f.identities] if f.remote else None)
     table = ShardTable(tuple(SourceShards(f.name, f.folder, f.files, f.kind, f.readable) for f in files),
                        changes=partial(shards_changed_message, tuple(files)))
     return OpenedSources(tuple(files), datasets, counts, table)
+
+
+def _discover(zephon: Any, files: SourceFiles) -> Any:
+    """Zephon's dataset over one source (its count-only discovery). A remote source names its format (Zephon's
+    detection turns a store's refusal into "Unsupported dataset format") and a store failure says what to check."""
+    if not files.remote:
+        return zephon.Dataset.from_path(files.name, files.zephon_root)
+    try:
+        return zephon.Dataset.from_path(files.name, files.zephon_root, fmt=files.kind)
+    except Exception as error:  # noqa: BLE001 - obstore's errors reach here unwrapped
+        raise ValueError(store_failure(files.where, files.folder, error, "counting the records of")) from None
 
 
 def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = None,
