@@ -127,8 +127,9 @@ def test_a_state_from_the_local_copy_is_refused_on_the_bucket_and_says_why(s3, t
 
 
 def test_an_object_replaced_between_save_and_resume_is_refused(s3, tmp_path, corpus_texts, tokenizer_dir):
-    """Same name, same size, other bytes: the ETag changes, the state is refused naming the shard; and the
-    replaced object's records are read anew (Zephon's shard cache is keyed by the ETags)."""
+    """Same name, same size, other bytes (one record fewer: Zephon's catalog keys by names and sizes): the ETag
+    changes, the state is refused naming the shard; and the replaced object's records are read anew, exactly
+    as a local copy of the new bytes gives them (Zephon's shard cache is keyed by the ETags)."""
     local = write_jsonl_shards(tmp_path / "web", records(corpus_texts[:60]))
     remote = s3.upload(local, "replaced", "web")
     with build_text_loader(config(remote, tokenizer_dir=tokenizer_dir)) as loader:
@@ -138,8 +139,10 @@ def test_an_object_replaced_between_save_and_resume_is_refused(s3, tmp_path, cor
         state = loader.state_dict()
     shard = local / "part-00001.jsonl"
     text = shard.read_text()
-    edited = text.replace("alpha", "omega") if "alpha" in text else text.replace("beta", "gamma")
-    assert len(edited) == len(text) and edited != text
+    lines = text.splitlines(keepends=True)
+    first = json.loads(lines[0])["text"] + " " * len(lines[-1])  # the last record's bytes moved into the first
+    edited = json.dumps({"text": first}) + "\n" + "".join(lines[1:-1])
+    assert len(edited) == len(text) and edited.count("\n") == text.count("\n") - 1
     s3.client().put_object(Bucket="replaced", Key="web/part-00001.jsonl", Body=edited.encode())
     with build_text_loader(config(remote, tokenizer_dir=tokenizer_dir)) as loader:
         with pytest.raises(ValueError, match=r"part-00001.jsonl changed"):
@@ -309,3 +312,16 @@ def test_elastic_resume_on_s3_is_exact(s3, tmp_path, jsonl_sources, tokenizer_di
                for name, path in sorted(jsonl_sources.items())]
     test_elastic_resume.test_state_resumes_at_another_dp_size_with_nothing_lost_or_repeated(
         tmp_path, sources, tokenizer_dir)
+
+
+def test_the_process_runner_reads_s3_too(s3, tmp_path, corpus_texts, tokenizer_dir):
+    """Zephon's worker processes (started from the loader's fork server) inherit the endpoint and credentials
+    and read the bucket themselves: the same batches as the local copy under the same runner."""
+    local = write_jsonl_shards(tmp_path / "web", records(corpus_texts[:120]), shards=3)
+    remote = s3.upload(local, "processes", "web")
+    extra = {"runtime": {"runner": "process"}}
+    with build_text_loader(config(local, tokenizer_dir=tokenizer_dir, **extra)) as loader:
+        expected = collect(loader)
+    with build_text_loader(config(remote, tokenizer_dir=tokenizer_dir, **extra)) as loader:
+        got = collect(loader)
+    assert len(expected) > 5 and same_batches(got, expected)
