@@ -239,8 +239,9 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     Warns when one ``mixture: repeat`` pass would read over 100x the records (``source_checks``).
 
     Raises:
-        ValueError: A missing/empty/mixed folder or prefix, a store that cannot be listed, two sources on one folder or file, a stale
-            Zephon index, a source without records, or a Parquet column Zephon cannot take rows of.
+        ValueError: A missing/empty/mixed folder or prefix, a store that cannot be listed, two sources on one
+            folder or file, a stale Zephon index, a source without records, or a Parquet column Zephon cannot
+            take rows of.
     """
     import zephon
 
