@@ -7,6 +7,7 @@ upgrade is checked in this file.
 
 * :class:`ZephonKeys`: Zephon's payload and ``to_training`` key names.
 * Pipeline internals: :func:`runtime_options` (its ``RuntimeOptions``),
+  :func:`set_records_per_call` (records per tokenize call),
   :func:`close_engine` (stop its engine from another thread).
 * Checkpoints: :func:`check_engine_state` (Zephon's checkpoint schema),
   :func:`release_rounds` (what an engine retains of its last round),
@@ -53,6 +54,7 @@ __all__ = [
     "round_coordinator",
     "read_object_range",
     "runtime_options",
+    "set_records_per_call",
     "store_objects",
     "worker_crash_info",
 ]
@@ -101,6 +103,25 @@ def runtime_options(pipeline: Any) -> Any:
     transport.
     """
     return pipeline._options
+
+
+def set_records_per_call(pipeline: Any, records: int) -> None:
+    """Make the tokenize op just added to ``pipeline`` (its tail) take at most ``records`` records per call.
+
+    Zephon 0.2's ``TokenizeText``/``TokenizeChat`` take ``max_batch`` (default 64) but ``Pipeline.tokenize``
+    and ``tokenize_chat`` do not pass it; in deterministic mode (the loader's) the op's accumulator waits for a
+    full ``max_batch`` before each call, so the first batch waited for 64 documents to be read and tokenized
+    (on long documents: seconds, and their text and tokens held at once). Sets the op's ``_max_batch``
+    (``TokenizeBase``), read when Zephon builds the accumulator at engine start.
+
+    Raises:
+        RuntimeError: The tail is not a tokenize op with that attribute (a Zephon upgrade changed it).
+    """
+    op = getattr(getattr(pipeline, "_tail", None), "op", None)
+    if not hasattr(op, "_max_batch"):
+        raise RuntimeError(f"zephon_loader: Zephon's tokenize op has no _max_batch (got {type(op).__name__}); "
+                           "this Zephon version is not the one zephon_loader was written for (0.2)")
+    op._max_batch = int(records)
 
 
 def close_engine(pipeline: Any) -> None:
