@@ -3,7 +3,10 @@
 * **Delivered** documents and tokens are counted from Zephon's own per-row
   provenance (``SampleMeta.component_sample_counts`` — a document split by
   ``wrap`` counts once, on its closing piece — and
-  ``component_token_counts``), when a batch reaches the training loop: batches
+  ``component_token_counts``: the packed tokens, ``S + 1`` per full row, so the
+  last token of each full row, which the shift makes a label only, is in them:
+  a pass's input tokens are these minus its full rows, ``tests/test_token_accounting.py``),
+  when a batch reaches the training loop: batches
   read ahead but not yet yielded are not counted, and the counts travel in the
   loader's state, so a resumed run continues them exactly.
 * Counts are kept **per Zephon lane** (a batch comes from one lane), and a
