@@ -85,6 +85,30 @@ def test_set_epoch_chooses_the_epoch_and_every_run_gives_the_same_order(jsonl_so
         assert other.epoch == 1
 
 
+def test_an_epoch_rebuild_reuses_the_loaded_tokenizer_and_its_batches_are_unchanged(jsonl_sources, tokenizer_dir,
+                                                                                   monkeypatch):
+    """The tokenizer is loaded and saved for Zephon once per loader (issue 21, item 4), and an epoch built
+    over it yields exactly what one built from scratch (the tokenizer reloaded and re-saved) does."""
+    import zephon_loader.pipeline.text as text
+    import zephon_loader.stages as stages
+
+    config = _config(jsonl_sources, tokenizer_dir)
+    loads: list[object] = []
+    load = text.load_tokenizer
+    monkeypatch.setattr(text, "load_tokenizer", lambda *a, **k: loads.append(a) or load(*a, **k))
+    with build_text_loader(config) as loader:
+        reused = [_pass(loader) for _ in range(3)]
+        assert loader.epoch == 2
+    assert len(loads) == 1, "an epoch's rebuild loaded the tokenizer again"
+
+    build = stages.build_pipeline  # as before the reuse: every build prepares the tokenizer afresh
+    monkeypatch.setattr(stages, "build_pipeline", lambda *a, prepared=None, **k: build(*a, **k))
+    with build_text_loader(config) as loader:
+        fresh = [_pass(loader) for _ in range(3)]
+    assert len(loads) == 1 + 3
+    assert all(_same(a, b) for a, b in zip(reused, fresh))
+
+
 def test_a_pass_restarted_before_its_end_restarts_the_same_epoch(jsonl_sources, tokenizer_dir):
     with build_text_loader(_config(jsonl_sources, tokenizer_dir)) as loader:
         head = _pass(loader, limit=3)

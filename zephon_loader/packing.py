@@ -100,23 +100,20 @@ def build_packed_sequence_metadata(attention_document_ids: torch.Tensor) -> Pack
     if low < 0:
         raise ValueError(f"attention_document_ids: got minimum {low}, expected nonnegative ids")
     if high == 0:
-        raise ValueError(
-            f"attention_document_ids: no valid (nonzero) token in a batch of shape {tuple(ids.shape)}; "
-            "expected at least one token that is neither padding nor ineligible"
-        )
-    batch_size, sequence_length = ids.shape
-    # `ids.bool()` is a cheaper pass than `ids != 0`; a scalar `other` avoids a [B, S] fill.
+        _no_valid_token(ids)
+    # `ids.bool()` is a cheaper pass than `ids != 0`.
     valid = ids.bool()
+    if high == 1:  # one id per row (xdoc's joined rows, single documents): its count is the row's valid tokens
+        return single_document_metadata(valid)
+    batch_size, sequence_length = ids.shape
+    # A scalar `other` avoids a [B, S] fill.
     packed_token_indices = torch.where(valid, torch.arange(sequence_length, device=ids.device), -1)
 
     # Column d of `counts` holds the token count of id d (column 0, excluded tokens, is zeroed):
     # its running sum is [0, c_1, c_1 + c_2, ...], i.e. cu_seqlens before absent ids are skipped.
-    if high == 1:  # one id per row (xdoc's joined rows, single documents): its count is the row's valid tokens
-        counts = tF.pad(valid.sum(dim=1, keepdim=True), (1, 0))
-    else:
-        counts = torch.zeros(batch_size, high + 1, dtype=torch.int64, device=ids.device)
-        counts.scatter_add_(1, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int64))
-        counts[:, 0] = 0
+    counts = torch.zeros(batch_size, high + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(1, ids.to(torch.int64), torch.ones_like(ids, dtype=torch.int64))
+    counts[:, 0] = 0
     keep = counts > 0
     keep[:, 0] = True  # the leading 0 of every row
     cu_seqlens = compact_left(counts.cumsum(dim=1, dtype=torch.int32), keep, -1, high + 1)
@@ -125,6 +122,37 @@ def build_packed_sequence_metadata(attention_document_ids: torch.Tensor) -> Pack
         F.CU_SEQLENS: cu_seqlens,
         F.MAX_SEQLEN: int(counts.max()),
     }
+
+
+def single_document_metadata(valid: torch.Tensor) -> PackedSequenceMetadata:
+    """:func:`build_packed_sequence_metadata` of ids that are 1 exactly where ``valid`` (bool ``[B, S]``) is True.
+
+    The final map's path for xdoc's joined rows, which knows ``valid`` already: the same output without a
+    pass over int64 ids.
+
+    Raises:
+        ValueError: No valid token in the batch.
+    """
+    sequence_length = valid.shape[1]
+    counts = valid.sum(dim=1)
+    longest = int(counts.max()) if counts.numel() else 0
+    if longest == 0:
+        _no_valid_token(valid)
+    packed_token_indices = torch.where(valid, torch.arange(sequence_length, device=valid.device), -1)
+    # Per row [0, count], or [0, -1] for a row without a valid token.
+    cu_seqlens = torch.stack([torch.zeros_like(counts), torch.where(counts > 0, counts, -1)], dim=1)
+    return {
+        F.PACKED_TOKEN_INDICES: packed_token_indices,
+        F.CU_SEQLENS: cu_seqlens.to(torch.int32),
+        F.MAX_SEQLEN: longest,
+    }
+
+
+def _no_valid_token(ids: torch.Tensor) -> None:
+    raise ValueError(
+        f"attention_document_ids: no valid (nonzero) token in a batch of shape {tuple(ids.shape)}; "
+        "expected at least one token that is neither padding nor ineligible"
+    )
 
 
 def flatten_packed_sequence_metadata(

@@ -38,7 +38,7 @@ from zephon_loader.loader import ImageLoader, ZephonLoader
 from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.pipeline.image_records import IMAGE_REASONS
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
-from zephon_loader.pipeline.text import DataParallel, build_pipeline
+from zephon_loader.pipeline.text import DataParallel, PreparedTokenizer, build_pipeline
 from zephon_loader.pipeline.work_source import OpenedSources
 from zephon_loader.workdirs import make_work_dir
 
@@ -101,6 +101,8 @@ class TextStage:
         self._recipe_tokenizer = tokenizer
         self._tokenizer_dir: str | None = None
         self.sources: OpenedSources | None = None  # the shard files, opened by the first build_pipeline()
+        # The tokenizer loaded and saved by the first build_pipeline(): an epoch's rebuild reuses it.
+        self._prepared: PreparedTokenizer | None = None
 
     @property
     def micro_batch_size(self) -> int:
@@ -122,8 +124,9 @@ class TextStage:
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:
         built = build_pipeline(self.cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,
-                               run_id_suffix=run_id_suffix, sources=self.sources)
+                               run_id_suffix=run_id_suffix, sources=self.sources, prepared=self._prepared)
         self.sources = built.sources  # opened by the first build; every epoch's reads the same files
+        self._prepared = built.prepared  # loaded and saved by the first build; every epoch's uses the same
         return built
 
     def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:

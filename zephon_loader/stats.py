@@ -3,9 +3,18 @@
 * **Delivered** documents and tokens are counted from Zephon's own per-row
   provenance (``SampleMeta.component_sample_counts`` — a document split by
   ``wrap`` counts once, on its closing piece — and
-  ``component_token_counts``), when a batch reaches the training loop: batches
+  ``component_token_counts``: the packed tokens, ``S + 1`` per full row),
+  when a batch reaches the training loop: batches
   read ahead but not yet yielded are not counted, and the counts travel in the
   loader's state, so a resumed run continues them exactly.
+* **Label-only** tokens: Zephon packs rows of ``S + 1`` tokens and
+  ``to_training`` shifts them, so the last token of a row without padding
+  reaches the model only as the label of the token before it; the next-token
+  pair it starts (it, then the next row's first token) is trained by nobody.
+  They are delivered (counted in ``tokens``) and counted again, per lane, as
+  ``label_only_tokens``: a pass's input tokens (``~padding_mask``) are
+  ``tokens - label_only_tokens``, one per full row (``1 / (S + 1)`` of the
+  tokens; ``tests/test_token_accounting.py``).
 * Counts are kept **per Zephon lane** (a batch comes from one lane), and a
   rank reports the lanes it owns. A state carries every lane's counts (merged
   across ranks in the round of Zephon's checkpoint), so after an elastic
@@ -54,7 +63,10 @@ def batch_source_counts(sample_batch: Any) -> list[list[int]]:
 
 
 class CountingCollate:
-    """``collate`` plus ``[lane, batch_source_counts(batch)]`` under ``fields.SOURCE_COUNTS`` (picklable)."""
+    """``collate`` plus ``[lane, batch_source_counts(batch), label_only]`` under ``fields.SOURCE_COUNTS`` (picklable).
+
+    ``label_only``: the batch's packed tokens that are no input token (the last token of each full row).
+    """
 
     def __init__(self, collate_fn: Any) -> None:
         self.collate_fn = collate_fn
@@ -63,7 +75,11 @@ class CountingCollate:
         from zephon_loader.nodes.source import lane_of
 
         out = self.collate_fn(sample_batch)
-        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), batch_source_counts(sample_batch)]
+        counts = batch_source_counts(sample_batch)
+        packed = sum(tokens for _cid, _documents, tokens in counts)
+        padding = out.get(F.PADDING_MASK)
+        label_only = packed - int(padding.numel() - int(padding.sum())) if padding is not None else 0
+        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), counts, max(0, label_only)]
         return out
 
 
@@ -77,9 +93,10 @@ class LoaderStats:
             :data:`~zephon_loader.pipeline.records.REASONS` and ``longer_than_row``).
         owned_lanes: The lanes this rank reads (what :meth:`snapshot` adds up); ``None``: every lane.
 
-    State (:meth:`state_dict`): ``{"lanes": {"<lane>": {"batches": int, "carried": int,
+    State (:meth:`state_dict`): ``{"lanes": {"<lane>": {"batches": int, "carried": int, "label_only": int,
     "delivered": {source: [documents, tokens]}}}, "drops": [event, ...]}`` (``carried``: batches of
-    this pass left over from an earlier one).
+    this pass left over from an earlier one; ``label_only``: see the module docstring, 0 when a state
+    saved before it existed is loaded).
     """
 
     STATE_KEYS = ("lanes", "drops")
@@ -106,17 +123,19 @@ class LoaderStats:
         self._lanes = {}
 
     def _lane(self, lane: int) -> dict[str, Any]:
-        return self._lanes.setdefault(int(lane), {"batches": 0, "carried": 0, "delivered": {}})
+        return self._lanes.setdefault(int(lane), {"batches": 0, "carried": 0, "label_only": 0, "delivered": {}})
 
     def add_delivered(self, lane_counts: Sequence[Any], *, carried: bool = False) -> None:
-        """Count one yielded batch: ``[lane, batch_source_counts(batch)]`` (what :class:`CountingCollate` adds).
+        """Count one yielded batch: ``[lane, batch_source_counts(batch), label_only]`` (what
+        :class:`CountingCollate` adds; ``label_only`` may be missing).
 
         ``carried``: it was left over from an earlier epoch's pass (the ranks ended that pass early).
         """
-        lane, counts = lane_counts
+        lane, counts, *label_only = lane_counts
         entry = self._lane(lane)
         entry["batches"] += 1
         entry["carried"] += int(carried)
+        entry["label_only"] = entry.get("label_only", 0) + int(label_only[0] if label_only else 0)
         delivered = entry["delivered"]
         for cid, documents, tokens in counts:
             pair = delivered.setdefault(self._name(cid), [0, 0])
@@ -148,9 +167,10 @@ class LoaderStats:
         """
         self._merge_log()
         lanes = copy.deepcopy(self._lanes)
-        for lane, counts in undelivered:
+        for lane, counts, *label_only in undelivered:
             entry = lanes[int(lane)]
             entry["batches"] -= 1
+            entry["label_only"] = entry.get("label_only", 0) - int(label_only[0] if label_only else 0)
             for cid, documents, tokens in counts:
                 pair = entry["delivered"][self._name(cid)]
                 pair[0] -= int(documents)
@@ -194,7 +214,7 @@ class LoaderStats:
             for lane, entry in state["lanes"].items():
                 delivered = {str(k): [int(v[0]), int(v[1])] for k, v in entry["delivered"].items()}
                 lanes[int(lane)] = {"batches": int(entry["batches"]), "carried": int(entry.get("carried", 0)),
-                                    "delivered": delivered}
+                                    "label_only": int(entry.get("label_only", 0)), "delivered": delivered}
             drops = {_event_key(event): dict(event) for event in state["drops"]}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
@@ -207,10 +227,12 @@ class LoaderStats:
     def snapshot(self) -> dict[str, Any]:
         """The report ``loader.stats()`` returns: the lanes this rank owns.
 
-        ``{"batches": int, "carried_batches": int, "sources": {name: {"delivered": {"documents", "tokens"},
-        "dropped": {reason: {"documents", "tokens"}}}}, "dropped": {reason: {"documents",
-        "tokens", "first": "<source, shard, line>"}}, "reasons": {reason: meaning}}``.
-        ``tokens`` of a record dropped before tokenization is 0 (unknown).
+        ``{"batches": int, "carried_batches": int, "label_only_tokens": int, "sources": {name: {"delivered":
+        {"documents", "tokens"}, "dropped": {reason: {"documents", "tokens"}}}}, "dropped": {reason:
+        {"documents", "tokens", "first": "<source, shard, line>"}}, "reasons": {reason: meaning}}``.
+        ``tokens`` of a record dropped before tokenization is 0 (unknown). ``label_only_tokens``: delivered
+        tokens that reached the model only as a label (see the module docstring): the input tokens
+        delivered are the sources' delivered ``tokens`` minus these.
         """
         self._merge_log()
         totals: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
@@ -241,6 +263,8 @@ class LoaderStats:
         return {
             "batches": self.batches,
             "carried_batches": sum(entry.get("carried", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
+            "label_only_tokens": sum(entry.get("label_only", 0) for lane, entry in self._lanes.items()
+                                     if self._owns(lane)),
             "sources": sources,
             "dropped": dropped,
             "reasons": dict(self.reasons),

@@ -31,9 +31,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from zephon_loader import fields as F
-from zephon_loader.attention import attention_document_ids, check_training_batch, join_subdocuments, require_supported_packing_contract
+from zephon_loader.attention import (attention_document_ids, check_training_batch, joined_positions,
+                                     require_supported_packing_contract)
 from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract
-from zephon_loader.packing import build_packed_sequence_metadata, compact_left, document_lengths
+from zephon_loader.packing import build_packed_sequence_metadata, compact_left, document_lengths, single_document_metadata
 
 #: Internal keys the final map consumes; everything else not yielded by the
 #: contract passes through unchanged (e.g. processor outputs like pixel values).
@@ -352,9 +353,18 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
             documents (:func:`hf_position_fields`).
     """
     work = dict(batch)
-    work[F.ATTENTION_DOCUMENT_IDS] = attention_document_ids(work[F.DOCUMENT_IDS], work.get(F.ATTENTION_ELIGIBILITY))
     if settings.xdoc:
-        join_subdocuments(work)
+        # join_subdocuments(attention_document_ids(...)) in fewer [B, S] tensors: the joined ids are 1 exactly
+        # where a token is eligible and not padding.
+        document_ids = work[F.DOCUMENT_IDS]
+        member = document_ids.bool()
+        eligibility = work.get(F.ATTENTION_ELIGIBILITY)
+        if eligibility is not None:
+            member &= eligibility
+        work[F.ATTENTION_DOCUMENT_IDS] = member.to(torch.int64)
+        work[F.POSITION_IDS] = joined_positions(document_ids, work[F.POSITION_IDS])
+    else:
+        work[F.ATTENTION_DOCUMENT_IDS] = attention_document_ids(work[F.DOCUMENT_IDS], work.get(F.ATTENTION_ELIGIBILITY))
     ids: torch.Tensor = work[F.ATTENTION_DOCUMENT_IDS]
 
     out: dict[str, Any] = {name: work[name] for name in F.ALWAYS}
@@ -369,10 +379,10 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
         out.update(hf_position_fields(ids, work[F.POSITION_IDS], work[F.PADDING_MASK], work[F.LABELS],
                                       check=not _validated))
     if settings.metadata:
-        out.update(build_packed_sequence_metadata(ids))
+        out.update(single_document_metadata(member) if settings.xdoc else build_packed_sequence_metadata(ids))
     if settings.thd:
         out.update(thd_fields(ids))
-    if settings.metadata or (ids.numel() and int(ids.max()) > 1):
+    if settings.metadata or (not settings.xdoc and ids.numel() and int(ids.max()) > 1):  # joined ids are <= 1
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():
         if name not in out and name not in _CONSUMED:

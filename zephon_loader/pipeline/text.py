@@ -32,7 +32,8 @@ from zephon_loader.pipeline.object_store import store_options
 from zephon_loader.pipeline.shards import cache_dir
 from zephon_loader.pipeline.work_source import OpenedSources, WorkSource, build_work_source, lane_options
 
-__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "TOKENIZE_RECORDS_PER_CALL", "BuiltPipeline", "DataParallel", "build_pipeline", "runtime_options"]
+__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "TOKENIZE_RECORDS_PER_CALL", "BuiltPipeline", "DataParallel",
+           "PreparedTokenizer", "build_pipeline", "prepare_tokenizer", "runtime_options"]
 
 #: Bins kept open by ``first_fit``/``best_fit`` when the config does not say.
 DEFAULT_NUM_BINS = 8
@@ -78,6 +79,36 @@ class DataParallel:
 
 
 @dataclass(frozen=True)
+class PreparedTokenizer:
+    """The tokenizer as every epoch's pipeline uses it, loaded and saved once (:func:`prepare_tokenizer`).
+
+    Attributes:
+        tokenizer: The loaded, checked tokenizer (``None``: pretokenized without one).
+        zephon_dir: Text mode: the copy saved (``split_special_tokens=True``) for Zephon's ``tokenize`` to load;
+            ``None`` otherwise.
+    """
+
+    tokenizer: Any
+    zephon_dir: Path | None
+
+
+def prepare_tokenizer(config: TextLoaderConfig, *, work_dir: str | os.PathLike[str],
+                      tokenizer_dir: str | os.PathLike[str] | None = None) -> PreparedTokenizer:
+    """Load and check the tokenizer (and, in text mode, save Zephon's copy into ``work_dir``): once per loader.
+
+    Args and raises: as :func:`build_pipeline`'s ``config``, ``work_dir`` and ``tokenizer_dir``.
+    """
+    tokenizer = _load_tokenizer(config, config.input_mode, tokenizer_dir)
+    zephon_dir = None
+    if config.input_mode == "text":
+        # Zephon gets a saved folder, not the object: a tokenizer object passed to Zephon's tokenize
+        # kept ~0.4 MiB of heap per iter() (measured with bench_soak.py --mode passes).
+        zephon_dir = Path(work_dir) / TEXT_TOKENIZER_DIR
+        tokenizer.save_pretrained(zephon_dir)
+    return PreparedTokenizer(tokenizer, zephon_dir)
+
+
+@dataclass(frozen=True)
 class BuiltPipeline:
     """What :func:`build_pipeline` returns.
 
@@ -88,6 +119,7 @@ class BuiltPipeline:
         tokenizer_dir: The tokenizer folder used (``None``: pretokenized without one).
         drop_log: Where the record checks log what ``on_bad_record: skip`` left out.
         sources: The shard files read (an epoch's pipeline is built over the same: ``sources=``).
+        prepared: The tokenizer loaded and saved for it (an epoch's pipeline reuses it: ``prepared=``).
     """
 
     pipeline: Any
@@ -96,6 +128,7 @@ class BuiltPipeline:
     tokenizer_dir: Path | None
     drop_log: DropLog
     sources: OpenedSources
+    prepared: PreparedTokenizer | None = None
 
 
 def build_pipeline(
@@ -108,6 +141,7 @@ def build_pipeline(
     run_id_suffix: str = "",
     sources: OpenedSources | None = None,
     transform: Callable[[Any], Any] | None = None,
+    prepared: PreparedTokenizer | None = None,
 ) -> BuiltPipeline:
     """Build the ``zephon.Pipeline`` that yields packed batches of ``B`` rows of ``S + 1`` tokens.
 
@@ -128,6 +162,10 @@ def build_pipeline(
             must not meet the previous epoch's coordination files).
         transform: Optional payload map run first (pretokenized mode: it must
             emit the pretokenized field, and the eligibility field if configured).
+        prepared: The tokenizer an earlier build of this loader prepared
+            (``BuiltPipeline.prepared``, same ``config`` and ``work_dir``): an
+            epoch's rebuild neither reloads nor re-saves it. ``None``:
+            :func:`prepare_tokenizer` (``tokenizer_dir`` is then used).
 
     Raises:
         ValueError / TypeError: naming the key, the value seen, what was
@@ -138,7 +176,9 @@ def build_pipeline(
     if transform is not None and not callable(transform):
         raise TypeError(_err("transform", type(transform).__name__, "a callable payload -> payload", "Pass a function."))
     mode = config.input_mode
-    tokenizer = _load_tokenizer(config, mode, tokenizer_dir)
+    if prepared is None:
+        prepared = prepare_tokenizer(config, work_dir=work_dir, tokenizer_dir=tokenizer_dir)
+    tokenizer = prepared.tokenizer
     pad_token_id = _pad_token_id(config, tokenizer)
     dist = config.distributed
     lanes = dist.canonical_replicas or dp.size
@@ -149,12 +189,13 @@ def build_pipeline(
     pipeline = zephon.Pipeline(work.source)
     if transform is not None:
         pipeline = pipeline.map_transform(transform)
-    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks, Path(work_dir))
+    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks, prepared.zephon_dir)
     pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks)
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
     return BuiltPipeline(pipeline, work.shards, pad_token_id,
-                         Path(tokenizer.name_or_path) if tokenizer is not None else None, drop_log, work.opened)
+                         Path(tokenizer.name_or_path) if tokenizer is not None else None, drop_log, work.opened,
+                         prepared)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -213,7 +254,8 @@ def _pad_token_id(config: TextLoaderConfig, tokenizer: Any) -> int:
 
 
 def _tokenize(
-    pipeline: Any, config: TextLoaderConfig, mode: str, tokenizer: Any, checks: dict[str, Any], work_dir: Path
+    pipeline: Any, config: TextLoaderConfig, mode: str, tokenizer: Any, checks: dict[str, Any],
+    zephon_dir: Path | None,
 ) -> tuple[Any, str | None]:
     """Raw-record checks and tokenizing; returns the pipeline and the loss-mask field (chat) or None."""
     tok = config.tokenizer
@@ -229,11 +271,8 @@ def _tokenize(
     if mode == "text":
         # Special-token strings inside documents ("<|endoftext|>", the pad token) stay ordinary text:
         # a control id never comes from data. BOS/EOS bracketing is added by id, not by string.
-        # Zephon gets a saved folder, not the object: a tokenizer object passed to Zephon's tokenize
-        # kept ~0.4 MiB of heap per iter() (measured with bench_soak.py --mode passes).
-        saved = work_dir / TEXT_TOKENIZER_DIR
-        tokenizer.save_pretrained(saved)
-        pipeline = pipeline.tokenize(tokenizer_id=str(saved), field=tok.text_field, add_attention_mask=False,
+        # Zephon loads the copy prepare_tokenizer saved (split_special_tokens=True).
+        pipeline = pipeline.tokenize(tokenizer_id=str(zephon_dir), field=tok.text_field, add_attention_mask=False,
                                      special_tokens=tok.special_tokens, parallelism=parallelism)
         set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
         return pipeline, None
