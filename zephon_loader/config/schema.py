@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,12 +108,27 @@ class PackingOptions:
     num_bins: int | None = None
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (what ``taskset``, cgroups' cpusets and Slurm
+    give it), ``os.cpu_count()`` where the platform has none."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+#: ``runner: auto`` runs Zephon ``inline`` on at most this many cores (its worker threads would compete with the
+#: loader's for the GIL: 152k vs 244k tokens/s direct on 2 cores, README "Loader overhead"), ``threads`` above.
+INLINE_MAX_CORES = 2
+
+
 @dataclass(frozen=True)
 class RunnerOptions:
     """Zephon runtime options every loader has (``Pipeline.options``); each kind adds its stage's parallelism.
 
     Attributes:
-        runner: ``auto``/``threads`` (default), ``inline``, or ``process``
+        runner: ``auto`` (default: ``inline`` on 1 or 2 cores, ``threads`` on more; the cores this process
+            may use), ``threads``, ``inline``, or ``process``
             (spawned workers; scripts need an ``if __name__ == "__main__"`` guard).
         max_workers: Zephon worker count (``None``: Zephon's default).
         prefetch_batches: Zephon's own consumer-side prefetch (exactly accounted in its checkpoints).
@@ -126,9 +142,13 @@ class RunnerOptions:
     STAGE_KEYS: ClassVar[tuple[str, ...]] = ()
 
     def options(self) -> dict[str, Any]:
-        """The non-default values of Zephon ``RuntimeOptions`` fields, as keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in self.STAGE_KEYS and getattr(self, f.name) not in (None, "auto")}
+        """The non-default values of Zephon ``RuntimeOptions`` fields, as keyword arguments (``runner: auto``
+        resolved from the cores: :data:`INLINE_MAX_CORES`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in self.STAGE_KEYS and getattr(self, f.name) not in (None, "auto")}
+        if self.runner == "auto":
+            out["runner"] = "inline" if available_cores() <= INLINE_MAX_CORES else "threads"
+        return out
 
 
 @dataclass(frozen=True)
@@ -136,13 +156,20 @@ class RuntimeConfig(RunnerOptions):
     """Zephon runtime options of a text loader: :class:`RunnerOptions` and the tokenize stage's parallelism.
 
     Attributes:
-        tokenize_parallelism: Tokenizing calls Zephon keeps in flight (``None``:
-            Zephon's default, 4 calls of 64 records). Lower it for corpora of
-            long documents: the first batch waits for fewer of them and less
-            text is held in memory (see README, "Memory and first batch").
+        tokenize_parallelism: Tokenizing calls Zephon keeps in flight, of 8 records
+            each (``None``: from the cores this process may use, half of them,
+            1 to 4: 1 on 2 cores). Fewer calls: the first batch waits for fewer
+            documents and less text is held in memory (see README, "Memory and
+            first batch").
     """
 
     tokenize_parallelism: int | None = None
+
+    def tokenize_calls(self) -> int:
+        """``tokenize_parallelism``, or the default from the cores: ``max(1, min(4, cores // 2))``."""
+        if self.tokenize_parallelism is not None:
+            return int(self.tokenize_parallelism)
+        return max(1, min(4, available_cores() // 2))
 
     STAGE_KEYS: ClassVar[tuple[str, ...]] = ("tokenize_parallelism",)
 

@@ -259,7 +259,7 @@ def _tokenize(
 ) -> tuple[Any, str | None]:
     """Raw-record checks and tokenizing; returns the pipeline and the loss-mask field (chat) or None."""
     tok = config.tokenizer
-    parallelism = config.runtime.tokenize_parallelism
+    parallelism = config.runtime.tokenize_calls()
     if mode == "pretokenized":
         return pipeline, None
     raw_check = CheckRawRecords(
