@@ -26,6 +26,7 @@ from typing import Any
 
 from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
+from zephon_loader.pipeline.formats import zephon_fmt
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
 from zephon_loader.pipeline.shards import SourceFiles, check_distinct, open_source
 from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
@@ -246,9 +247,9 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     files = []
     for i, source in enumerate(config.sources):
         where = f"dataloader.sources[{i}].path ({source.name!r})"
-        files.append(open_source(source.name, where, source.path, config.resolve_path(source.path)))
+        files.append(open_source(source.name, where, source.path, config.resolve_path(source.path), source.format))
     check_distinct(files)
-    datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root) for f in files)
+    datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root, fmt=zephon_fmt(f.kind)) for f in files)
     counts = tuple(int(ds.total()) for ds in datasets)
     for f, n in zip(files, counts, strict=True):
         if n == 0:
@@ -258,7 +259,7 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     for f in files:
         if f.kind == "parquet":
             check_parquet_columns(f.name, [os.path.join(f.folder, n) for n in f.files])
-    table = ShardTable(tuple(SourceShards(f.name, f.folder, f.files, f.kind, f.readable) for f in files),
+    table = ShardTable(tuple(SourceShards(f.name, f.folder, f.shard_files or f.files, f.kind, f.readable) for f in files),
                        changes=partial(shards_changed_message, tuple(files)))
     return OpenedSources(tuple(files), datasets, counts, table)
 
