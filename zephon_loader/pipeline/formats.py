@@ -28,8 +28,10 @@ of them:
 
 Zephon reads these folders itself (``zephon_root`` is the folder); nothing is
 written into them. :func:`list_files` lists a source; ``shards.open_source``
-hashes the files and makes its :class:`~zephon_loader.pipeline.shards.SourceFiles`. Not offered, and why (checked on a CPU machine with
-zephon 0.2.0, Dec 2026): MDS needs ``mosaicml-streaming`` (0.13.0), whose
+hashes the files and makes its ``SourceFiles``.
+
+Not offered, and why (checked on a CPU machine with zephon 0.2.0, Dec 2026;
+the reasons users see are ``config.schema.UNREAD_FORMATS``): MDS needs ``mosaicml-streaming`` (0.13.0), whose
 ``import streaming`` imports ``torchvision`` (the PyPI wheel is the CUDA build
 and does not load against the CPU torch) and which pins ``transformers<5``
 (the loader's ``hf``/``trainer`` extras need transformers 5); Zephon's
