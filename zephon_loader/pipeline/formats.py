@@ -163,8 +163,8 @@ def owns(configured: str, folder: str | os.PathLike[str], fmt: str | None) -> bo
 def check_kind(where: str, fmt: str | None, kind: str, folder: str | os.PathLike[str]) -> None:
     """Refuse a folder of ``kind`` shards (what ``list_shards`` found) configured as another ``format``."""
     if fmt is not None and fmt != kind:
-        raise ValueError(_err(where, f"{FORMATS[kind].title} ({os.fspath(folder)})", FORMATS[fmt].title,
-                              f"Set format: {kind} (or null), or point the source at {FORMATS[fmt].title}."))
+        raise ValueError(_described(where, f"{FORMATS[kind].title} in {os.fspath(folder)}", FORMATS[fmt].title,
+                                    f"Set format: {kind} (or null), or point the source at {FORMATS[fmt].title}."))
 
 
 def require_packages(fmt: ShardFormat, where: str) -> None:
