@@ -255,3 +255,23 @@ def test_mds_and_hugging_face_folders_are_recognised_and_refused_with_the_reason
         message = str(info.value)
         assert message.startswith(f"dataloader.sources[0].path ('web'): got {title}"), message
         assert fix in message, message
+
+
+@pytest.mark.parametrize("fmt", [p for p in FORMATS if p.values[0] == "lance"])
+def test_a_lance_dataset_written_anew_at_the_same_path_is_read_anew(fmt, tmp_path, tokenizer_dir):
+    """Zephon keys its cached shard catalog of a Lance dataset by the manifest path alone: a dataset deleted and
+    written again at the same path (same versions, other fragment files) was read through the old catalog
+    ("Shard raw file missing"). The loader drops that catalog when the files changed."""
+    import shutil
+
+    folder = tmp_path / "data"
+    write_lance(folder, [{"text": t} for t in TEXTS])
+    batches(folder, tokenizer_dir)
+    shutil.rmtree(folder)
+    other = [{"text": t.upper()} for t in TEXTS]
+    write_lance(folder, other)
+    copy = tmp_path / "copy"
+    for index, part in enumerate(_parts(other)):
+        write_jsonl_shards(copy / f"p{index}", part, shards=1)
+        os.replace(copy / f"p{index}" / "part-00000.jsonl", copy / f"part-{index:05d}.jsonl")
+    assert_same_batches(batches(folder, tokenizer_dir), batches(copy, tokenizer_dir))
