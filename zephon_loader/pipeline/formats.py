@@ -3,10 +3,9 @@
 Part of the first step of the work source (config → builder → **shard files**
 → work source → tokenize → pack → batch). JSONL and Parquet folders are listed
 by :func:`~zephon_loader.pipeline.shards.list_shards`; the formats Zephon 0.2
-reads through an optional extra are listed here, by :func:`list_files`, which
-:func:`~zephon_loader.pipeline.shards.open_source` asks to list a source when its
-``format`` (``dataloader.sources[i].format``), or what its folder holds, is one
-of them:
+reads through an optional extra are opened here, by :func:`open_source`, when a
+source's ``format`` (``dataloader.sources[i].format``), or what its folder
+holds, is one of them:
 
 * **What a format is** (:data:`FORMATS`): its name in the config, Zephon's
   ``Dataset.from_path(fmt=...)`` name, the Python packages Zephon imports to
@@ -20,19 +19,19 @@ of them:
   Mosaic MDS folder (``index.json`` with ``shards``, no ``format_version``) and
   a Hugging Face ``save_to_disk`` folder (``state.json`` + ``*.arrow``) are
   recognised and refused with the reason and the conversion that works.
-* **Content** (:func:`list_files`): every data file of the folder (name,
-  size, SHA-256 through the same digest cache as JSONL/Parquet shards), the
+* **Content** (:func:`open_source`, :class:`FormatFiles`): every data file of
+  the folder (name, size, SHA-256 through the same digest cache as JSONL/Parquet shards), the
   resume fingerprint's part for the source, so an edited, added or removed
   data file refuses an old state; the same files are watched while the loader
   runs (:meth:`~zephon_loader.pipeline.shards.SourceFiles.changes`).
 
-Zephon reads these folders itself (``zephon_root`` is the folder); nothing is
-written into them. :func:`list_files` lists a source; ``shards.open_source``
-hashes the files and makes its ``SourceFiles``.
+Zephon reads these folders itself (``zephon_root`` is the folder) and recognises them by the same marker
+files; nothing is written into them. :func:`open_source` is the one entry point of the work source for
+every source (JSONL/Parquet folders and URLs go on to ``shards.open_source``).
 
 Not offered, and why (checked on a CPU machine with zephon 0.2.0, Dec 2026;
-the reasons users see are ``config.schema.UNREAD_FORMATS``): MDS needs ``mosaicml-streaming`` (0.13.0), whose
-``import streaming`` imports ``torchvision`` (the PyPI wheel is the CUDA build
+the reasons users see are ``config.schema.UNREAD_FORMATS``): MDS needs
+``mosaicml-streaming`` (0.13.0), whose ``import streaming`` imports ``torchvision`` (the PyPI wheel is the CUDA build
 and does not load against the CPU torch) and which pins ``transformers<5``
 (the loader's ``hf``/``trainer`` extras need transformers 5); Zephon's
 Hugging Face reader serves ``hf://`` Hub URLs only (it resolves them online),
@@ -51,9 +50,11 @@ from pathlib import Path
 from zephon_loader.config.schema import SOURCE_FORMATS, UNREAD_FORMATS
 from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
+from zephon_loader.pipeline.shards import Identity, SourceFiles, _digests, _identity
+from zephon_loader.pipeline.shards import open_source as open_shards
 
-__all__ = ["FORMATS", "ShardFormat", "check_kind", "detect", "forget_catalogs", "install_line", "list_files", "owns",
-           "require_packages", "zephon_fmt"]
+__all__ = ["FORMATS", "FormatFiles", "ShardFormat", "check_kind", "detect", "forget_catalogs", "install_line",
+           "list_files", "open_source", "owns", "require_packages"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class ShardFormat:
         name: Its ``dataloader.sources[i].format`` value.
         title: What it is, for messages ("a Lance dataset").
         markers: The files that identify it in a folder (for messages and docs).
-        zephon_fmt: Zephon's ``Dataset.from_path(fmt=...)`` name (``None``: Zephon's own detection, as today).
+        zephon_fmt: Zephon's name of the format (``Dataset.from_path(fmt=...)``, its catalog key); Zephon
+            recognises the folder by the same marker files.
         modules: The modules Zephon imports to read it (checked at build, with the install line).
         packages: The PyPI packages that provide them.
         extra: The ``zephon-loader`` extra that installs them (``None``: always installed).
@@ -112,11 +114,6 @@ _MDS_OR_LITDATA_INDEX = "index.json"
 def install_line(fmt: ShardFormat) -> str:
     """``pip install 'zephon-loader[lance]'`` (the packages by name when the format has no extra)."""
     return f"pip install 'zephon-loader[{fmt.extra}]'" if fmt.extra else f"pip install {fmt.packages}"
-
-
-def zephon_fmt(kind: str) -> str | None:
-    """Zephon's ``Dataset.from_path(fmt=...)`` for a source of format ``kind`` (``None``: Zephon detects it)."""
-    return FORMATS[kind].zephon_fmt
 
 
 # ----------------------------------------------------------------------------- recognising a folder
@@ -240,9 +237,75 @@ _LISTERS: dict[str, Callable[[str, Path], tuple[tuple[str, ...], tuple[str, ...]
     "litdata": _litdata_files, "lance": _lance_files, "vortex": _vortex_files}
 
 
+@dataclass(frozen=True)
+class FormatFiles(SourceFiles):
+    """A source of a format of this module as the build found it: ``files`` are the file of each Zephon shard in
+    shard-id order (what a record's location names); ``others`` the rest of its data files (LitData's
+    ``index.json``, Lance's manifests, transactions and deletion files), in the fingerprint and watched too.
+
+    Attributes:
+        others: The data files that are not shards, relative to the folder.
+        other_identities: Their ``(size, mtime_ns, ctime_ns, inode, device)`` at the build.
+        other_digests: Their SHA-256 (hex).
+    """
+
+    others: tuple[str, ...] = ()
+    other_identities: tuple[Identity, ...] = ()
+    other_digests: tuple[str, ...] = ()
+
+    def _other_files(self) -> SourceFiles:
+        return SourceFiles(self.name, self.where, self.folder, self.others, self.kind, self.other_identities,
+                           self.other_digests, self.zephon_root)
+
+    def fingerprint(self) -> list[list[object]]:
+        """``[[file, size, sha256[:16]], ...]`` of the shard files, then of the other data files."""
+        return super().fingerprint() + self._other_files().fingerprint()
+
+    def changes(self) -> list[str]:
+        """What changed in the shard files and the other data files since the build (empty: none)."""
+        return super().changes() + self._other_files().changes()
+
+
+def open_source(name: str, where: str, configured: str, folder: str | os.PathLike[str],
+                fmt: str | None = None) -> SourceFiles:
+    """One source as the build finds it, in any format: the one entry point of ``work_source.open_sources``.
+
+    JSONL/Parquet folders (and URLs) go to :func:`~zephon_loader.pipeline.shards.open_source`, checked against
+    a configured ``format``; LitData, Lance and Vortex (given or recognised, :func:`owns`) are listed here
+    and every data file hashed through the same digest cache; Zephon reads the folder itself.
+
+    Args:
+        name: The source's name.
+        where: Its config location for messages.
+        configured: Its path as configured.
+        folder: That path resolved.
+        fmt: Its configured ``format`` (``None``: recognised by the folder's files).
+
+    Raises:
+        ValueError: Not a folder of that format, a format the loader does not read (with the reason and the
+            conversion), or what :func:`~zephon_loader.pipeline.shards.open_source` refuses.
+        ImportError: The format's package is missing (one line with the ``pip install`` command).
+    """
+    if not owns(configured, folder, fmt):
+        source = open_shards(name, where, configured, folder)
+        check_kind(where, fmt, source.kind, folder)
+        return source
+    real = os.path.realpath(folder)
+    kind, files, shards = list_files(where, configured, real, fmt)
+    others = tuple(n for n in files if n not in set(shards))
+    identities = tuple(_identity(os.stat(os.path.join(real, n))) for n in shards + others)
+    digests, changed = _digests(Path(real), shards + others, identities)
+    if changed:
+        forget_catalogs(kind, real, files)
+    count = len(shards)
+    return FormatFiles(name, where, real, shards, kind, identities[:count], digests[:count], real,
+                       others=others, other_identities=identities[count:], other_digests=digests[count:])
+
+
 def list_files(where: str, configured: str, folder: str | os.PathLike[str],
                fmt: str | None) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """The files of one source of a format this module opens (:func:`owns`); Zephon reads the folder itself.
+    """The files of one source of a format this module opens (:func:`owns`).
+
 
     Args:
         where: The source's config location for messages.

@@ -91,8 +91,6 @@ class SourceFiles:
         zephon_root: The folder Zephon reads (``folder``, or the decoded view of compressed shards).
         readable: Per file, the path holding its records as plain text (the decoded copy of a
             compressed shard), for re-reading a line on an error path.
-        shard_files: The file of each Zephon shard, in shard-id order, when not ``files`` (the formats of
-            :mod:`~zephon_loader.pipeline.formats`: ``files`` is every data file, index and manifests included).
     """
 
     name: str
@@ -104,7 +102,6 @@ class SourceFiles:
     digests: tuple[str, ...]
     zephon_root: str
     readable: tuple[str, ...] = field(default=())
-    shard_files: tuple[str, ...] = field(default=())
 
     def fingerprint(self) -> list[list[object]]:
         """``[[file name, size, sha256[:16]], ...]``: the resume fingerprint's part for this source."""
@@ -170,8 +167,7 @@ def list_shards(where: str, configured: str, path: Path) -> tuple[tuple[str, ...
     return (jsonl, "jsonl") if jsonl else (parquet, "parquet")
 
 
-def open_source(name: str, where: str, configured: str, folder: str | os.PathLike[str],
-                fmt: str | None = None) -> SourceFiles:
+def open_source(name: str, where: str, configured: str, folder: str | os.PathLike[str]) -> SourceFiles:
     """List, identify and hash one source's shards; check its Zephon index; make the view Zephon reads.
 
     Args:
@@ -179,20 +175,12 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
         where: Its config location for messages.
         configured: Its path as configured.
         folder: That path resolved (relative to the config file).
-        fmt: Its configured ``format``; LitData, Lance, Vortex (given or recognised) are opened by
-            :mod:`zephon_loader.pipeline.formats` (listed there, hashed here).
 
     Raises:
         ValueError: Not a folder of shards of one format (:func:`list_shards`), or a stale ``index.json``
             (naming the file, what differs and the rebuild command).
     """
-    from zephon_loader.pipeline import formats
-
-    if formats.owns(configured, folder, fmt):
-        real = os.path.realpath(folder)
-        return _open_format(name, where, real, *formats.list_files(where, configured, real, fmt))
     files, kind = list_shards(where, configured, Path(folder))
-    formats.check_kind(where, fmt, kind, folder)
     resolved = Path(os.path.realpath(folder))
     stats = [os.stat(resolved / n) for n in files]
     identities = tuple(_identity(s) for s in stats)
@@ -207,20 +195,6 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
     if changed and root == str(resolved):
         forget_catalog(root, kind)  # Zephon keys its catalog by names and sizes: a same-size edit would not re-key it
     return source
-
-
-def _open_format(name: str, where: str, folder: str, kind: str, files: tuple[str, ...],
-                 shard_files: tuple[str, ...]) -> SourceFiles:
-    """A source of a format of :mod:`~zephon_loader.pipeline.formats`: every data file identified and hashed
-    (the fingerprint), the shard files for locating records; Zephon reads the folder itself."""
-    from zephon_loader.pipeline import formats
-
-    resolved = Path(folder)
-    identities = tuple(_identity(os.stat(resolved / n)) for n in files)
-    digests, changed = _digests(resolved, files, identities)
-    if changed:
-        formats.forget_catalogs(kind, folder, files)
-    return SourceFiles(name, where, folder, files, kind, identities, digests, folder, shard_files=shard_files)
 
 
 def check_distinct(sources: Sequence[SourceFiles]) -> None:

@@ -26,9 +26,8 @@ from typing import Any
 
 from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
-from zephon_loader.pipeline.formats import zephon_fmt
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
-from zephon_loader.pipeline.shards import SourceFiles, check_distinct, open_source
+from zephon_loader.pipeline.shards import SourceFiles, check_distinct
 from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
 
 __all__ = [
@@ -234,7 +233,7 @@ def shards_changed_message(sources: Sequence[SourceFiles]) -> str | None:
 
 
 def open_sources(config: LoaderConfig) -> OpenedSources:
-    """List, hash and discover every configured source once (:func:`~zephon_loader.pipeline.shards.open_source`).
+    """List, hash and discover every configured source once (:func:`~zephon_loader.pipeline.formats.open_source`).
 
     Warns when one ``mixture: repeat`` pass would read over 100x the records (``source_checks``).
 
@@ -244,12 +243,15 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     """
     import zephon
 
+    from zephon_loader.pipeline import formats
+
     files = []
     for i, source in enumerate(config.sources):
         where = f"dataloader.sources[{i}].path ({source.name!r})"
-        files.append(open_source(source.name, where, source.path, config.resolve_path(source.path), source.format))
+        files.append(formats.open_source(source.name, where, source.path, config.resolve_path(source.path),
+                                         source.format))
     check_distinct(files)
-    datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root, fmt=zephon_fmt(f.kind)) for f in files)
+    datasets = tuple(zephon.Dataset.from_path(f.name, f.zephon_root) for f in files)
     counts = tuple(int(ds.total()) for ds in datasets)
     for f, n in zip(files, counts, strict=True):
         if n == 0:
@@ -259,7 +261,7 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     for f in files:
         if f.kind == "parquet":
             check_parquet_columns(f.name, [os.path.join(f.folder, n) for n in f.files])
-    table = ShardTable(tuple(SourceShards(f.name, f.folder, f.shard_files or f.files, f.kind, f.readable) for f in files),
+    table = ShardTable(tuple(SourceShards(f.name, f.folder, f.files, f.kind, f.readable) for f in files),
                        changes=partial(shards_changed_message, tuple(files)))
     return OpenedSources(tuple(files), datasets, counts, table)
 
