@@ -211,6 +211,15 @@ def test_a_missing_package_names_the_extra_to_install(fmt, copies, tokenizer_dir
     assert "\n" not in message
 
 
+def test_the_schema_and_the_format_table_agree():
+    from zephon_loader.config.schema import SOURCE_FORMATS, UNREAD_FORMATS
+    from zephon_loader.pipeline.formats import FORMATS
+
+    assert SOURCE_FORMATS == tuple(n for n, f in FORMATS.items() if f.unsupported is None)
+    assert {n: f.unsupported for n, f in FORMATS.items() if f.unsupported} == UNREAD_FORMATS
+    assert all(FORMATS[n].extra == n for n in WRITERS)  # the extras are named like the formats
+
+
 def test_an_unknown_or_unread_format_is_refused_by_the_schema(jsonl_copy, tokenizer_dir):
     for value, expected in [("jsnl", "Set one of them, or null"), ("mds", "mosaicml-streaming"),
                             ("hf", "to_parquet")]:

@@ -104,8 +104,7 @@ FORMATS: dict[str, ShardFormat] = {f.name: f for f in (
     ShardFormat("hf", "a Hugging Face datasets folder (save_to_disk)", "state.json, dataset_info.json, *.arrow",
                 None, unsupported=UNREAD_FORMATS["hf"]),
 )}
-# The config's names and this table agree (the schema validates the field, this module opens the sources).
-assert SOURCE_FORMATS == tuple(n for n, f in FORMATS.items() if f.unsupported is None)
+# The schema validates the field with SOURCE_FORMATS; tests/test_shard_formats.py checks this table agrees.
 #: The formats opened by this module (the others are folders of shard files, see ``shards.list_shards``).
 _OWN_LAYOUT = ("litdata", "lance", "vortex", "mds", "hf")
 _MDS_OR_LITDATA_INDEX = "index.json"
