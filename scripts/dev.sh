@@ -54,6 +54,11 @@ install() {
   # keeps every later install (and anything they pull in) on this torch.
   "${pip[@]}" "torch==2.13.0"
   "${pip[@]}" -e ".[hf,viz,test]"
+  # The shard formats tests/test_shard_formats.py reads (sources[].format): Lance and Vortex with their
+  # dependencies; LitData without the torchvision it declares (PyPI's wheel is the CUDA build and fails to
+  # load against the CPU torch; Zephon's LitData reader never imports it), so its other dependencies by name.
+  "${pip[@]}" "pylance==14.0.2" "vortex-data==0.90.0" lightning-utilities boto3 requests tifffile obstore zstd
+  "${pip[@]}" --no-deps "litdata==0.2.76"
   # The reference consumer, used as a test oracle: its code only (its full dependency set, about 3 GB,
   # lives in .venv-recipe/, see `dev.sh recipe`).
   "${pip[@]}" --no-deps "nemo-automodel==0.7.0"

@@ -40,9 +40,24 @@ MAX_BATCH_TOKENS = 2**27
 BATCH_BYTES_PER_TOKEN = 4 * 8 + 1
 
 
+#: The ``sources[i].format`` values read (what each is: :mod:`zephon_loader.pipeline.formats`).
+SOURCE_FORMATS = ("jsonl", "parquet", "litdata", "lance", "vortex")
+#: Formats Zephon 0.2 has a reader for that a source cannot be: why, and what to do instead.
+UNREAD_FORMATS = {
+    "mds": ("Zephon reads MDS through mosaicml-streaming, which cannot be installed beside this loader: it pins "
+            "transformers<5 (the loader needs transformers 5) and its import loads torchvision, whose PyPI wheel "
+            "fails against a CPU torch. Convert the shards once (read them with streaming.StreamingDataset, write "
+            "the rows with pyarrow.parquet.write_table) and set format: parquet"),
+    "hf": ("Zephon's Hugging Face reader serves hf:// Hub URLs only (resolved online), and no Zephon format reads "
+           "the Arrow files of a save_to_disk folder. Convert it once: "
+           "datasets.load_from_disk(path).to_parquet('<folder>/part-00000.parquet'), then point the source at "
+           "that folder (format: parquet)"),
+}
+
+
 @dataclass(frozen=True)
 class SourceConfig:
-    """One weighted source of JSONL or Parquet shards.
+    """One weighted source: a folder of JSONL or Parquet shards, a LitData or Lance dataset, or Vortex files.
 
     Attributes:
         name: Unique name (Zephon's dataset name).
@@ -50,11 +65,19 @@ class SourceConfig:
             storage (``s3://bucket/prefix``, ``gs://``, ``az://``: "Data on object storage");
             relative paths resolve against the YAML file's folder, ``pkg://`` inside the package.
         weight: Mixture weight, > 0.
+        format: ``jsonl``, ``parquet``, ``litdata`` (``litdata.optimize``
+            output), ``lance`` (a Lance dataset, its latest version) or
+            ``vortex`` (``*.vortex`` files); ``None``: recognised by the folder's
+            files (LitData's ``index.json``, Lance's ``_versions/``, else the
+            shard suffixes). ``litdata``/``lance``/``vortex`` need the extra of
+            that name (``pip install 'zephon-loader[lance]'``). MDS and
+            Hugging Face ``save_to_disk`` folders are refused, with the conversion to use.
     """
 
     name: str
     path: str
     weight: float = 1.0
+    format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -346,6 +369,10 @@ class LoaderConfig:
                 raise ValueError(f"dataloader.sources[{index}].name: got '', expected a non-empty name")
             if not (math.isfinite(source.weight) and source.weight > 0):
                 raise ValueError(f"dataloader.sources[{index}].weight: got {source.weight}, expected a finite number > 0")
+            if source.format is not None and source.format not in SOURCE_FORMATS:
+                fix = UNREAD_FORMATS.get(source.format, "Set one of them, or null to recognise the folder's files")
+                raise ValueError(f"dataloader.sources[{index}].format: got {source.format!r}, expected one of "
+                                 f"{', '.join(map(repr, SOURCE_FORMATS))} or null. {fix}.")
         distributed = self.distributed
         if distributed.canonical_replicas is not None and distributed.canonical_replicas <= 0:
             raise ValueError(f"dataloader.distributed.canonical_replicas: got {distributed.canonical_replicas}, "

@@ -36,7 +36,7 @@ class SourceShards:
     name: str
     folder: str
     files: tuple[str, ...]
-    kind: str  # "jsonl" | "parquet"
+    kind: str  # "jsonl" | "parquet" | a format of pipeline.formats
     readable: tuple[str, ...] = ()
 
     def text_path(self, shard: int) -> str:
@@ -74,7 +74,7 @@ class ShardTable:
         if not 0 <= shard < len(src.files):
             return f"source {src.name!r}, shard #{shard} of {src.folder}, record #{index}"
         file = os.path.join(src.folder, src.files[shard])
-        if src.kind == "parquet":
+        if src.kind != "jsonl":  # Parquet, and the formats of pipeline.formats: a row of the shard's file
             return f"source {src.name!r}, shard {file}, row {index} (0-based)"
         line = _physical_line(src.text_path(shard), index)
         return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")

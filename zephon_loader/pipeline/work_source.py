@@ -28,7 +28,7 @@ from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.object_store import is_url, store_failure
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
-from zephon_loader.pipeline.shards import SourceFiles, check_distinct, open_source
+from zephon_loader.pipeline.shards import SourceFiles, check_distinct
 from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
 
 __all__ = [
@@ -234,7 +234,7 @@ def shards_changed_message(sources: Sequence[SourceFiles]) -> str | None:
 
 
 def open_sources(config: LoaderConfig) -> OpenedSources:
-    """List, hash and discover every configured source once (:func:`~zephon_loader.pipeline.shards.open_source`).
+    """List, hash and discover every configured source once (:func:`~zephon_loader.pipeline.formats.open_source`).
 
     Warns when one ``mixture: repeat`` pass would read over 100x the records (``source_checks``).
 
@@ -245,11 +245,13 @@ def open_sources(config: LoaderConfig) -> OpenedSources:
     """
     import zephon
 
+    from zephon_loader.pipeline import formats
+
     files = []
     for i, source in enumerate(config.sources):
         where = f"dataloader.sources[{i}].path ({source.name!r})"
         folder = source.path if is_url(source.path) else config.resolve_path(source.path)
-        files.append(open_source(source.name, where, source.path, folder))
+        files.append(formats.open_source(source.name, where, source.path, folder, source.format))
     check_distinct(files)
     datasets = tuple(_discover(zephon, f) for f in files)
     counts = tuple(int(ds.total()) for ds in datasets)
