@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -184,7 +185,10 @@ def test_options_are_passed(jsonl_sources, tokenizer_dir):
     assert opts.run_id == "r1" and opts.max_workers == 2 and opts.prefetch_batches == 2
     # runtime.tokenize_parallelism sets the tokenize stage's calls in flight (not a RuntimeOptions field).
     assert tokenize_parallelism(pipeline) == 1
-    assert tokenize_parallelism(text_pipeline(jsonl_sources, tokenizer_dir)) > 1  # Zephon's default
+    # unset: from the cores this process may use (half of them, 1 to 4)
+    from zephon_loader.config.schema import available_cores
+
+    assert tokenize_parallelism(text_pipeline(jsonl_sources, tokenizer_dir)) == max(1, min(4, available_cores() // 2))
     assert not hasattr(opts, "tokenize_parallelism")
 
 
@@ -576,3 +580,16 @@ def test_a_local_position_does_not_change_as_the_engine_moves_on(jsonl_sources, 
     assert [json.dumps(local, sort_keys=True, default=repr) for local, _ in shards] == [text for _, text in shards]
     assert len({text for _, text in shards}) == len(shards), "the shard moves with the stream"
     source.close()
+
+
+@pytest.mark.parametrize(("cores", "runner", "calls"), [(1, "inline", 1), (2, "inline", 1), (4, "threads", 2),
+                                                         (16, "threads", 4)])
+def test_defaults_follow_the_cores_this_process_may_use(monkeypatch, cores, runner, calls):
+    """runner: auto and tokenize_parallelism unset are chosen from the affinity mask (not os.cpu_count)."""
+    from zephon_loader.config.schema import RuntimeConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    runtime = RuntimeConfig()
+    assert runtime.options()["runner"] == runner and runtime.tokenize_calls() == calls
+    assert RuntimeConfig(runner="threads", tokenize_parallelism=3).options()["runner"] == "threads"
+    assert RuntimeConfig(tokenize_parallelism=3).tokenize_calls() == 3
