@@ -136,15 +136,34 @@ class RuntimeConfig(RunnerOptions):
     """Zephon runtime options of a text loader: :class:`RunnerOptions` and the tokenize stage's parallelism.
 
     Attributes:
+        runner: ``auto``/``threads`` (default), ``inline``, ``process``
+            (spawned workers; scripts need an ``if __name__ == "__main__"`` guard),
+            or ``ray``: the tokenize stage on Zephon's experimental Ray runner
+            (``tokenize_parallelism`` actors), the rest on threads; same batches
+            and resume as ``threads``; needs ``pip install 'zephon-loader[ray]'``
+            and text or chat input. The loader uses the process's Ray
+            (``ray.init(address=...)`` before building it; never shut down by the
+            loader), else starts a local instance sized to this process's cores
+            and shuts it down when its last loader closes. On a cluster of several
+            machines the temp dir (the saved tokenizer) must be shared storage.
         tokenize_parallelism: Tokenizing calls Zephon keeps in flight (``None``:
             Zephon's default, 4 calls of 64 records). Lower it for corpora of
             long documents: the first batch waits for fewer of them and less
             text is held in memory (see README, "Memory and first batch").
     """
 
+    runner: Literal["auto", "threads", "inline", "process", "ray"] = "auto"
     tokenize_parallelism: int | None = None
 
     STAGE_KEYS: ClassVar[tuple[str, ...]] = ("tokenize_parallelism",)
+
+    def options(self) -> dict[str, Any]:
+        """As :meth:`RunnerOptions.options`; ``ray`` is no Zephon runner name: it leaves Zephon's runner ``auto``,
+        which runs the stage the pipeline places ``remote`` (tokenize) on Ray and the others on threads."""
+        options = super().options()
+        if options.get("runner") == "ray":
+            del options["runner"]
+        return options
 
 
 @dataclass(frozen=True)
@@ -446,6 +465,11 @@ class TextLoaderConfig(LoaderConfig):
         for name in ("text_field", "pretokenized_field", "chat_field"):
             if getattr(tokenizer, name) == "":
                 raise ValueError(f"dataloader.tokenizer.{name}: got '', expected a record field name")
+        if self.runtime.runner == "ray" and self.input_mode == "pretokenized":
+            raise ValueError(
+                "dataloader.runtime.runner: got 'ray' with pretokenized input, expected 'threads' (ray runs the "
+                "tokenize stage, and pretokenized records have none)"
+            )
         if self.eligibility_field is not None and tokenizer.pretokenized_field is None:
             raise ValueError(
                 f"dataloader.eligibility_field: got {self.eligibility_field!r} with {self.input_mode} input, expected "
