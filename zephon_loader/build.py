@@ -84,7 +84,7 @@ def build_loader(
             owned.append(work_dir)
             built = stage.build_pipeline(work_dir=work_dir, dp=dp)
     except BaseException:
-        _remove(owned)
+        _close(owned, stage)
         raise
 
     def pipeline_for_epoch(epoch: int) -> Any:
@@ -107,7 +107,7 @@ def build_loader(
         collate_wrapper=collate_wrapper,
         fingerprint=fingerprint,
         pin_memory=pin_memory,
-        on_close=partial(_remove, owned),
+        on_close=partial(_close, owned, stage),
         stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons=stage.drop_reasons()),
         single_rank_by_default=dp.defaulted,
         # Ranks in step at every pass end (a pass without end needs no agreement).
@@ -407,3 +407,11 @@ def epoch_run_id_suffix(epoch: int) -> str:
 def _remove(folders: list[str]) -> None:
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _close(folders: list[str], stage: Stage) -> None:
+    """What a loader (or a failed build) leaves: its folders, and what its stage holds (Ray)."""
+    try:
+        stage.release()
+    finally:
+        _remove(folders)

@@ -10,7 +10,7 @@ step                        :class:`TextStage`                              :cla
 ``check_contract``          every mask type                                 every mask type; no model rope in workers
 ``attention_eligibility``   ``eligibility_field`` is set                    the processor emits eligibility
 ``prepare``                 save the recipe's tokenizer (when the YAML      load the processor (YAML, object or the
-                            names none)                                     model folder), bind ``get_rope_index``
+                            names none); Ray for ``runner: ray``            model folder), bind ``get_rope_index``
 ``build_pipeline``          :func:`~zephon_loader.pipeline.text.            :func:`~zephon_loader.pipeline.image.
                             build_pipeline` (tokenize, pack_flat)           build_image_pipeline` (process, pack_sequences)
 ``collate``                 :func:`~zephon_loader.collate.text.collate`     :func:`~zephon_loader.collate.image.
@@ -37,6 +37,8 @@ from zephon_loader.fingerprint import tokenizer_fingerprint
 from zephon_loader.loader import ImageLoader, ZephonLoader
 from zephon_loader.pipeline.image import build_image_pipeline
 from zephon_loader.pipeline.image_records import IMAGE_REASONS
+from zephon_loader.pipeline.ray_runner import RayLease
+from zephon_loader.pipeline.ray_runner import acquire as acquire_ray
 from zephon_loader.pipeline.records import LONGER_THAN_ROW
 from zephon_loader.pipeline.text import DataParallel, PreparedTokenizer, build_pipeline
 from zephon_loader.pipeline.work_source import OpenedSources
@@ -71,6 +73,9 @@ class Stage(Protocol):
     def prepare(self, owned: list[str]) -> None:
         """Load what the pipeline needs (tokenizer folder, processor); folders it creates go to ``owned``."""
 
+    def release(self) -> None:
+        """Let go of what ``prepare`` holds beyond folders (the Ray instance of ``runner: ray``); once, at close."""
+
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:
         """The kind's built Zephon pipeline (``.pipeline``, ``.shards``, ``.drop_log``)."""
@@ -103,6 +108,7 @@ class TextStage:
         self.sources: OpenedSources | None = None  # the shard files, opened by the first build_pipeline()
         # The tokenizer loaded and saved by the first build_pipeline(): an epoch's rebuild reuses it.
         self._prepared: PreparedTokenizer | None = None
+        self._ray: RayLease | None = None
 
     @property
     def micro_batch_size(self) -> int:
@@ -120,6 +126,13 @@ class TextStage:
         if cfg.tokenizer.path is None and cfg.input_mode != "pretokenized" and self._recipe_tokenizer is not None:
             self._tokenizer_dir = _save_recipe_tokenizer(self._recipe_tokenizer)
             owned.append(self._tokenizer_dir)
+        if cfg.runtime.runner == "ray":
+            self._ray = acquire_ray()  # the process's Ray, or a local instance released with the loader
+
+    def release(self) -> None:
+        lease, self._ray = self._ray, None
+        if lease is not None:
+            lease.release()
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:
@@ -209,6 +222,9 @@ class ImageStage:
 
     def prepare(self, owned: list[str]) -> None:
         self.processor = resolve_processor(self.cfg, self._processor_arg, self._get_rope_index, self._model_path)
+
+    def release(self) -> None:
+        """Nothing beyond folders."""
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:

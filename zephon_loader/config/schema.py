@@ -179,6 +179,17 @@ class RuntimeConfig(RunnerOptions):
     """Zephon runtime options of a text loader: :class:`RunnerOptions` and the tokenize stage's parallelism.
 
     Attributes:
+        runner: ``auto`` (default: ``inline`` on 1 or 2 cores, ``threads`` on more; the
+            cores this process may use), ``threads``, ``inline``, ``process``
+            (spawned workers; scripts need an ``if __name__ == "__main__"`` guard),
+            or ``ray``: the tokenize stage on Zephon's experimental Ray runner
+            (``tokenize_parallelism`` actors), the rest on threads; same batches
+            and resume as ``threads``; needs ``pip install 'zephon-loader[ray]'``
+            and text or chat input. The loader uses the process's Ray
+            (``ray.init(address=...)`` before building it; never shut down by the
+            loader), else starts a local instance sized to this process's cores
+            and shuts it down when its last loader closes. On a cluster of several
+            machines the temp dir (the saved tokenizer) must be shared storage.
         tokenize_parallelism: Tokenizing calls Zephon keeps in flight, of 8 records
             each (``None``: from the cores this process may use, half of them,
             1 to 4: 1 on 2 cores). Fewer calls: the first batch waits for fewer
@@ -186,6 +197,7 @@ class RuntimeConfig(RunnerOptions):
             first batch").
     """
 
+    runner: Literal["auto", "threads", "inline", "process", "ray"] = "auto"
     tokenize_parallelism: int | None = None
 
     def tokenize_calls(self) -> int:
@@ -195,6 +207,14 @@ class RuntimeConfig(RunnerOptions):
         return max(1, min(4, available_cores() // 2))
 
     STAGE_KEYS: ClassVar[tuple[str, ...]] = ("tokenize_parallelism",)
+
+    def options(self) -> dict[str, Any]:
+        """As :meth:`RunnerOptions.options`; ``ray`` is no Zephon runner name: it leaves Zephon's runner ``auto``,
+        which runs the stage the pipeline places ``remote`` (tokenize) on Ray and the others on threads."""
+        options = super().options()
+        if options.get("runner") == "ray":
+            del options["runner"]
+        return options
 
 
 @dataclass(frozen=True)
@@ -500,6 +520,11 @@ class TextLoaderConfig(LoaderConfig):
         for name in ("text_field", "pretokenized_field", "chat_field"):
             if getattr(tokenizer, name) == "":
                 raise ValueError(f"dataloader.tokenizer.{name}: got '', expected a record field name")
+        if self.runtime.runner == "ray" and self.input_mode == "pretokenized":
+            raise ValueError(
+                "dataloader.runtime.runner: got 'ray' with pretokenized input, expected 'threads' (ray runs the "
+                "tokenize stage, and pretokenized records have none)"
+            )
         if self.eligibility_field is not None and tokenizer.pretokenized_field is None:
             raise ValueError(
                 f"dataloader.eligibility_field: got {self.eligibility_field!r} with {self.input_mode} input, expected "

@@ -4,7 +4,7 @@ Reads top to bottom as the data flow::
 
     work source (shard folders, whole passes, this rank's lane)    work_source.py
       -> [transform]                                                 (API only)
-      -> check raw records -> tokenize | tokenize_chat | (pretokenized)
+      -> check raw records -> tokenize | tokenize_chat | (pretokenized)   (runner ray: tokenize on Ray, ray_runner.py)
       -> check tokens -> pack_flat(S + 1, positions) -> batch(B)
       -> runtime options (lanes, flush cadence, runner)
 
@@ -26,6 +26,7 @@ from zephon_loader.config import TextLoaderConfig
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
+from zephon_loader.pipeline.ray_runner import require_ray, tokenize_placement
 from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY, set_records_per_call
 from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
 from zephon_loader.pipeline.object_store import store_options
@@ -175,6 +176,8 @@ def build_pipeline(
 
     if transform is not None and not callable(transform):
         raise TypeError(_err("transform", type(transform).__name__, "a callable payload -> payload", "Pass a function."))
+    if config.runtime.runner == "ray":
+        require_ray()  # one ImportError naming the extra, before anything starts
     mode = config.input_mode
     if prepared is None:
         prepared = prepare_tokenizer(config, work_dir=work_dir, tokenizer_dir=tokenizer_dir)
@@ -268,12 +271,13 @@ def _tokenize(
         special_strings=tokenizer.all_special_tokens if mode == "chat" else (), **checks)
     pipeline = pipeline.add_op("zephon_loader.check_raw_records", process_many=raw_check,
                                validation_samples=raw_check.validation_samples, preserves_cursor_order=True)
+    placement = tokenize_placement(config)
     if mode == "text":
         # Special-token strings inside documents ("<|endoftext|>", the pad token) stay ordinary text:
         # a control id never comes from data. BOS/EOS bracketing is added by id, not by string.
         # Zephon loads the copy prepare_tokenizer saved (split_special_tokens=True).
         pipeline = pipeline.tokenize(tokenizer_id=str(zephon_dir), field=tok.text_field, add_attention_mask=False,
-                                     special_tokens=tok.special_tokens, parallelism=parallelism)
+                                     special_tokens=tok.special_tokens, parallelism=parallelism, placement=placement)
         set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
         return pipeline, None
     chat: dict[str, Any] = {"field": tok.chat_field}
@@ -282,7 +286,8 @@ def _tokenize(
         chat["chat_template"] = template if template.lstrip().startswith("{") else str(config.resolve_path(template))
     if tok.chat_loss_scope is not None:
         chat["loss_scope"] = tok.chat_loss_scope
-    pipeline = pipeline.tokenize_chat(tokenizer_id=tokenizer.name_or_path, parallelism=parallelism, **chat)
+    pipeline = pipeline.tokenize_chat(tokenizer_id=tokenizer.name_or_path, parallelism=parallelism, placement=placement,
+                                      **chat)
     set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
     return pipeline, ZEPHON_LOSS_MASK_KEY
 
@@ -298,8 +303,10 @@ def _check_tokens(
         max_record_tokens=config.max_record_tokens,
         row_capacity=config.sequence_length + 1 if config.packing.algorithm in _BINNED else None,
         eligibility_field=config.eligibility_field, loss_mask_field=loss_mask_field, **checks)
+    # After a Ray tokenize stage the checks run on the trainer's threads again (see tokenize_placement).
+    after = "local" if tokenize_placement(config) == "remote" else "auto"
     return pipeline.add_op("zephon_loader.check_tokens", process_many=check,
-                           validation_samples=check.validation_samples, preserves_cursor_order=True)
+                           validation_samples=check.validation_samples, preserves_cursor_order=True, placement=after)
 
 
 def _pack_and_batch(pipeline: Any, config: TextLoaderConfig, pad_token_id: int) -> Any:
