@@ -59,6 +59,8 @@ install() {
   # load against the CPU torch; Zephon's LitData reader never imports it), so its other dependencies by name.
   "${pip[@]}" "pylance==14.0.2" "vortex-data==0.90.0" lightning-utilities boto3 requests tifffile obstore zstd
   "${pip[@]}" --no-deps "litdata==0.2.76"
+  # runtime.runner: ray (tests/test_ray_runner.py): Zephon's Ray extra, about 45 s and 380 MB.
+  "${pip[@]}" "zephon[ray]==0.2.*"
   # The reference consumer, used as a test oracle: its code only (its full dependency set, about 3 GB,
   # lives in .venv-recipe/, see `dev.sh recipe`).
   "${pip[@]}" --no-deps "nemo-automodel==0.7.0"
