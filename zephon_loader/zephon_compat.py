@@ -47,6 +47,7 @@ __all__ = [
     "checkpoint_at",
     "close_engine",
     "explained_window_warnings",
+    "import_ray_runner",
     "jsonl_suffixes",
     "local_position",
     "read_object",
@@ -122,6 +123,13 @@ def set_records_per_call(pipeline: Any, records: int) -> None:
         raise RuntimeError(f"zephon_loader: Zephon's tokenize op has no _max_batch (got {type(op).__name__}); "
                            "this Zephon version is not the one zephon_loader was written for (0.2)")
     op._max_batch = int(records)
+
+
+def import_ray_runner() -> None:
+    """Import Zephon 0.2's Ray runner (``zephon._internal.runners.ray``: ``RemoteStageRunner``, which imports
+    ``ray`` and cloudpickle), so that a missing piece fails at the build rather than when the engine places the
+    tokenize stage. Raises ``ImportError`` as the import does."""
+    import zephon._internal.runners.ray  # noqa: F401
 
 
 def close_engine(pipeline: Any) -> None:

@@ -25,7 +25,6 @@ loader that uses it closes.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -55,7 +54,9 @@ def require_ray() -> Any:
     try:
         import ray
 
-        import zephon._internal.runners.ray  # noqa: F401  # Zephon's RemoteStageRunner (imports ray, cloudpickle)
+        from zephon_loader.zephon_compat import import_ray_runner
+
+        import_ray_runner()
     except ImportError as error:
         raise ImportError(
             f"dataloader.runtime.runner: got 'ray', but {error.name or 'ray'!r} cannot be imported ({error}); "
@@ -66,10 +67,9 @@ def require_ray() -> Any:
 
 def local_cpus() -> int:
     """The cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+    from zephon_loader.config.schema import available_cores
+
+    return max(1, available_cores())
 
 
 class RayLease:
