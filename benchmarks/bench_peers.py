@@ -83,6 +83,10 @@ def _run_pass(build, count) -> dict[str, float]:
 
 
 def child_zephon_loader(corpus: Path, contract: str) -> dict[str, float]:
+    from transformers import PreTrainedTokenizerFast  # noqa: F401 - imports outside the timed part, as the peers'
+    # children have theirs (TorchTitan's datasets and tokenizer, AutoModel's AutoTokenizer): zephon_loader imports
+    # transformers lazily, at the build, which would otherwise count ~1.3 s of module import as first-batch time.
+
     from zephon_loader import build_text_loader
 
     config = {"sources": [{"name": "stdlib", "path": str(corpus)}], "tokenizer": {"path": _tokenizer_dir()},
