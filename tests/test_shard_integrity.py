@@ -246,3 +246,13 @@ def test_a_url_without_the_object_store_client_names_the_pip_command(monkeypatch
     with pytest.raises(ValueError) as missing:
         build_text_loader(config(url, tokenizer_dir=tokenizer_dir))
     assert f"pip install 'zephon-loader[{extra}]'" in str(missing.value) and url in str(missing.value)
+
+
+def test_a_pkg_source_is_the_package_data_folder_not_a_url(tokenizer_dir):
+    """``pkg://corpus/stories`` has ``://`` in it but is the package's own data folder (configs/bench.yaml):
+    it is read as a local folder, never sent to the object-store branch."""
+    with build_text_loader(config("pkg://corpus/stories", tokenizer_dir=tokenizer_dir)) as loader:
+        assert collect(loader, 1)
+    from zephon_loader.pipeline.object_store import is_url
+
+    assert not is_url("pkg://corpus/stories") and is_url("s3://bucket/x")

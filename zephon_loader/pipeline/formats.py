@@ -50,6 +50,7 @@ from pathlib import Path
 from zephon_loader.config.schema import SOURCE_FORMATS, UNREAD_FORMATS
 from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
+from zephon_loader.pipeline.object_store import is_url
 from zephon_loader.pipeline.shards import Identity, SourceFiles, _digests, _identity
 from zephon_loader.pipeline.shards import open_source as open_shards
 
@@ -151,7 +152,7 @@ def detect(folder: Path) -> str | None:
 def owns(configured: str, folder: str | os.PathLike[str], fmt: str | None) -> bool:
     """Whether this module lists the source: its ``format``, or its folder's files, say a format of its own
     (a ``format: parquet`` on a Lance dataset, say, is refused here, naming the format found)."""
-    if "://" in configured:
+    if is_url(configured):
         return False  # a URL: the caller's listing decides
     return fmt in _OWN_LAYOUT or detect(Path(folder)) is not None
 

@@ -61,8 +61,11 @@ _CHECK = {
 
 
 def is_url(path: str) -> bool:
-    """Whether a configured source path is a URL (``scheme://...``) rather than a local folder."""
-    return "://" in str(path)
+    """Whether a configured source path is a URL (``scheme://...``) rather than a local folder (``pkg://`` is
+    the package's own data folder, a local path)."""
+    from zephon_loader.config.schema import PACKAGE_DATA_PREFIX
+
+    return "://" in str(path) and not str(path).startswith(PACKAGE_DATA_PREFIX)
 
 
 def _scheme(url: str) -> str:
