@@ -127,15 +127,15 @@ class LoaderStats:
 
     def add_delivered(self, lane_counts: Sequence[Any], *, carried: bool = False) -> None:
         """Count one yielded batch: ``[lane, batch_source_counts(batch), label_only]`` (what
-        :class:`CountingCollate` adds; ``label_only`` may be missing).
+        :class:`CountingCollate` adds).
 
         ``carried``: it was left over from an earlier epoch's pass (the ranks ended that pass early).
         """
-        lane, counts, *label_only = lane_counts
+        lane, counts, label_only = lane_counts
         entry = self._lane(lane)
         entry["batches"] += 1
         entry["carried"] += int(carried)
-        entry["label_only"] = entry.get("label_only", 0) + int(label_only[0] if label_only else 0)
+        entry["label_only"] += int(label_only)
         delivered = entry["delivered"]
         for cid, documents, tokens in counts:
             pair = delivered.setdefault(self._name(cid), [0, 0])
@@ -162,15 +162,15 @@ class LoaderStats:
         """JSON-safe counts of every lane known here (delivered: exact at the delivered batch; drops: as read).
 
         Args:
-            undelivered: ``[lane, counts]`` of delivered batches the state hands back (a state taken as of
-                some batches back): they are not counted as delivered.
+            undelivered: ``[lane, counts, label_only]`` (:class:`CountingCollate`) of delivered batches the
+                state hands back (a state taken as of some batches back): they are not counted as delivered.
         """
         self._merge_log()
         lanes = copy.deepcopy(self._lanes)
-        for lane, counts, *label_only in undelivered:
+        for lane, counts, label_only in undelivered:
             entry = lanes[int(lane)]
             entry["batches"] -= 1
-            entry["label_only"] = entry.get("label_only", 0) - int(label_only[0] if label_only else 0)
+            entry["label_only"] -= int(label_only)
             for cid, documents, tokens in counts:
                 pair = entry["delivered"][self._name(cid)]
                 pair[0] -= int(documents)
@@ -263,7 +263,7 @@ class LoaderStats:
         return {
             "batches": self.batches,
             "carried_batches": sum(entry.get("carried", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
-            "label_only_tokens": sum(entry.get("label_only", 0) for lane, entry in self._lanes.items()
+            "label_only_tokens": sum(entry["label_only"] for lane, entry in self._lanes.items()
                                      if self._owns(lane)),
             "sources": sources,
             "dropped": dropped,

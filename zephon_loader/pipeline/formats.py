@@ -292,7 +292,8 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
         return source
     real = os.path.realpath(folder)
     kind, files, shards = list_files(where, configured, real, fmt)
-    others = tuple(n for n in files if n not in set(shards))
+    shard_set = set(shards)
+    others = tuple(n for n in files if n not in shard_set)
     identities = tuple(_identity(os.stat(os.path.join(real, n))) for n in shards + others)
     digests, changed = _digests(Path(real), shards + others, identities)
     if changed:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from zephon_loader import fields as F
+from zephon_loader.pipeline.object_store import is_url
 from zephon_loader.processors.base import ImageTextRecord, ProcessedRecord, check_processed
 from zephon_loader.processors.rope import qwen2_vl_positions
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
@@ -219,7 +220,7 @@ class ProcessImageRecords(RecordOperator):
                 if not isinstance(entry, str) or not entry:
                     return None, ("wrong_type", field, self.describe(entry), "an image file path (JSONL shards)",
                                   "Store each image as a path relative to the shard's folder.")
-                if "://" in folder and not os.path.isabs(entry):
+                if is_url(folder) and not os.path.isabs(entry):
                     return None, ("wrong_type", field, self.describe(entry), "an image this machine can open",
                                   "Paths relative to a shard on object storage are not fetched; store the images "
                                   "as bytes in Parquet shards (a list<binary> column).")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -120,8 +121,6 @@ def store_failure(where: str, url: str, error: BaseException, doing: str) -> str
     """One line for a store that failed: the source, the URL, what the store answered, what to check."""
     endpoint = ""
     if _scheme(url) == "s3":
-        import os
-
         custom = os.environ.get("S3_ENDPOINT_URL")
         endpoint = f" (endpoint S3_ENDPOINT_URL={custom})" if custom else ""
     check = _CHECK[EXTRA_OF_SCHEME[_scheme(url)]]
@@ -180,7 +179,7 @@ def store_options(sources: Sequence[Any], cache: Path) -> dict[str, Any]:
     """Zephon ``RuntimeOptions`` for remote sources: ``{"io_options": StoreOptions(...)}``, or ``{}`` when every
     source is local. Zephon's shard cache goes to ``cache/objects/<key>``, the key made of every remote
     object's URL, size and ETag."""
-    remote = [s for s in sources if getattr(s, "remote", False)]
+    remote = [s for s in sources if s.remote]
     if not remote:
         return {}
     from zephon.io.options import CacheOptions, StoreOptions

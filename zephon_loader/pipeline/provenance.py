@@ -132,7 +132,9 @@ def _physical_line(file: str, index: int) -> int | None:
 def _open_text(path: str) -> Any:
     """A shard's lines as text (undecodable bytes replaced): a local file, or an object on storage (downloaded,
     on these error paths only)."""
-    if "://" not in path:
+    from zephon_loader.pipeline.object_store import is_url
+
+    if not is_url(path):
         return open(path, encoding="utf-8", errors="replace")
     import io
 

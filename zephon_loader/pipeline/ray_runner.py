@@ -65,13 +65,6 @@ def require_ray() -> Any:
     return ray
 
 
-def local_cpus() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
-    from zephon_loader.config.schema import available_cores
-
-    return max(1, available_cores())
-
-
 class RayLease:
     """A loader's hold on the Ray instance; :meth:`release` once, when the loader closes (idempotent).
 
@@ -112,6 +105,8 @@ def acquire() -> RayLease:
         ImportError: ``ray`` is not installed (see :func:`require_ray`).
     """
     global _holders, _generation
+    from zephon_loader.config.schema import available_cores
+
     ray = require_ray()
     with _lock:
         if _holders > 0 and ray.is_initialized():
@@ -119,6 +114,6 @@ def acquire() -> RayLease:
             return RayLease(started=True)
         if ray.is_initialized():
             return RayLease(started=False)
-        ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False)
+        ray.init(address="local", num_cpus=available_cores(), include_dashboard=False)
         _holders, _generation = 1, _generation + 1
         return RayLease(started=True)

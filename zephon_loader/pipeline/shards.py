@@ -96,7 +96,6 @@ class SourceFiles:
         zephon_root: The folder Zephon reads (``folder``, or the decoded view of compressed shards).
         readable: Per file, the path holding its records as plain text (the decoded copy of a
             compressed shard; the URL of a remote one), for re-reading a line on an error path.
-        remote: Whether the source is on object storage.
     """
 
     name: str
@@ -108,7 +107,11 @@ class SourceFiles:
     digests: tuple[str, ...]
     zephon_root: str
     readable: tuple[str, ...] = field(default=())
-    remote: bool = False
+
+    @property
+    def remote(self) -> bool:
+        """Whether the source is on object storage (its folder is a URL)."""
+        return object_store.is_url(self.folder)
 
     def fingerprint(self) -> list[list[object]]:
         """``[[file name, size, sha256[:16]], ...]``: the resume fingerprint's part for this source; a remote
@@ -240,7 +243,7 @@ def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
         _check_index(where, f"{url}/{index}", text, None, files, [(i[0], 0) for i in identities], kind, url)
     digests = tuple(object_store.digest_of(i) for i in identities)
     return SourceFiles(name, where, url, files, kind, identities, digests, url,
-                       tuple(f"{url}/{n}" for n in files), remote=True)
+                       tuple(f"{url}/{n}" for n in files))
 
 
 def check_distinct(sources: Sequence[SourceFiles]) -> None:
