@@ -22,11 +22,9 @@ At S = 2048 on the standard library's sources that per-row token is the
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from conftest import make_texts, write_jsonl_shards
+from conftest import make_texts, text_config, write_jsonl_shards
 from zephon_loader import build_text_loader
 
 
@@ -38,17 +36,9 @@ def test_every_packed_token_is_delivered_and_only_the_last_of_each_full_row_is_l
     texts = make_texts(60, seed=3, min_words=1, max_words=300)
     source = write_jsonl_shards(tmp_path / "docs", [{"text": t} for t in texts], shards=3)
     expected = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 2 for t in texts)  # BOS ... EOS
-    config: dict[str, Any] = {
-        "sources": [{"name": "docs", "path": str(source)}],
-        "tokenizer": {"path": str(tokenizer_dir)},
-        "sequence_length": 32,
-        "micro_batch_size": 4,
-        "packing": {"algorithm": "wrap"},
-        "shuffle": shuffle,
-        "read_ahead": 0,
-        "mask_cross_document_labels": False,  # the last label of a row is then -100 only at padding
-        "runtime": {"runner": "threads"},
-    }
+    config = text_config(source, tokenizer_dir, micro_batch_size=4, shuffle=shuffle,
+                         mask_cross_document_labels=False,  # the last label of a row is then -100 only at padding
+                         runtime={"runner": "threads"})
     inputs = full_rows = 0
     with build_text_loader(config) as loader:
         for batch in loader:
@@ -56,7 +46,7 @@ def test_every_packed_token_is_delivered_and_only_the_last_of_each_full_row_is_l
             inputs += int((~padding).sum())
             full_rows += int((~padding.any(dim=1) & (batch["labels"][:, -1] != -100)).sum())
         stats = loader.stats()
-    delivered = stats["sources"]["docs"]["delivered"]
+    delivered = stats["sources"]["web"]["delivered"]
     assert stats["dropped"] == {}
     assert delivered["documents"] == len(texts)
     assert delivered["tokens"] == expected, "a packed token went missing between the tokenizer and the yield"
@@ -69,11 +59,7 @@ def test_every_packed_token_is_delivered_and_only_the_last_of_each_full_row_is_l
 def test_label_only_tokens_continue_exactly_across_a_resume(tmp_path, tokenizer_dir, read_ahead):
     texts = make_texts(40, seed=5, min_words=1, max_words=200)
     source = write_jsonl_shards(tmp_path / "docs", [{"text": t} for t in texts], shards=2)
-    config: dict[str, Any] = {
-        "sources": [{"name": "docs", "path": str(source)}], "tokenizer": {"path": str(tokenizer_dir)},
-        "sequence_length": 32, "micro_batch_size": 2, "packing": {"algorithm": "wrap"}, "read_ahead": read_ahead,
-        "runtime": {"runner": "threads"},
-    }
+    config = text_config(source, tokenizer_dir, shuffle=True, read_ahead=read_ahead, runtime={"runner": "threads"})
     with build_text_loader(config) as loader:
         for _ in loader:
             pass
