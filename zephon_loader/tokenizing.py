@@ -6,6 +6,7 @@ which cannot resolve offline (Zephon would retry with backoff, then fail).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,6 @@ def load_tokenizer(path: Path, **options: Any) -> Any:
     """
     try:
         import transformers
-        from transformers import AutoTokenizer
     except Exception as exc:  # pragma: no cover - optional extra
         raise ImportError("tokenizer folders need transformers >= 5: pip install 'zephon-loader[hf]'") from exc
     major = int(transformers.__version__.split(".")[0])
@@ -73,12 +73,36 @@ def load_tokenizer(path: Path, **options: Any) -> Any:
             f"saved by transformers 5 name the TokenizersBackend class). Fix: pip install 'transformers>=5'."
         )
     try:
+        if _is_generic_fast_tokenizer(path):
+            # What AutoTokenizer resolves this folder to, without its model registry: importing
+            # transformers.models scans every model's source for its exports (~0.5-1 s per process).
+            return transformers.TokenizersBackend.from_pretrained(str(path), local_files_only=True, **options)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True, **options)
     except Exception as exc:
         raise ValueError(
             _err("tokenizer", str(path), "a directory AutoTokenizer.from_pretrained can load offline",
                  f"It failed with {type(exc).__name__}: {exc}. Re-save it with save_pretrained(dir).")
         ) from exc
+
+
+#: ``tokenizer_class`` values of a folder AutoTokenizer loads as the generic fast tokenizer (the same class).
+GENERIC_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _is_generic_fast_tokenizer(path: Path) -> bool:
+    """True when ``path``'s ``tokenizer_config.json`` names the generic fast class and ``tokenizer.json`` is there.
+
+    AutoTokenizer then loads exactly ``TokenizersBackend``; any other folder (a model-specific class, remote code in
+    ``auto_map``, no ``tokenizer_config.json``, one that does not parse) goes through AutoTokenizer.
+    """
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_FAST_TOKENIZER_CLASSES
+            and "auto_map" not in config and (path / "tokenizer.json").is_file())
 
 
 def check_token_id(where: str, value: int, vocab: int) -> None:

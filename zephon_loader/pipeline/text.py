@@ -33,7 +33,7 @@ from zephon_loader.pipeline.object_store import store_options
 from zephon_loader.pipeline.shards import cache_dir
 from zephon_loader.pipeline.work_source import OpenedSources, WorkSource, build_work_source, lane_options
 
-__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "TOKENIZE_RECORDS_PER_CALL", "BuiltPipeline", "DataParallel",
+__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "FETCH_RECORDS_PER_CALL", "TOKENIZE_RECORDS_PER_CALL", "BuiltPipeline", "DataParallel",
            "PreparedTokenizer", "build_pipeline", "prepare_tokenizer", "runtime_options"]
 
 #: Bins kept open by ``first_fit``/``best_fit`` when the config does not say.
@@ -43,10 +43,13 @@ DEFAULT_NUM_BINS = 8
 #: read (stdlib corpus, S=2048, B=8: first batch 2.6 -> 0.4 s, peak RSS 1,242 -> 828 MiB, pass time unchanged;
 #: ``benchmarks/bench_first_batch.py``).
 TOKENIZE_RECORDS_PER_CALL = 8
+#: Records per read call (Zephon's default is 64). The inline runner carries each read call's records through
+#: every stage before the next, so the first batch waited for 64 documents to be tokenized (~850k tokens of the
+#: stdlib corpus for the 16k of one 8x2048 batch); 8 match the tokenize call (first batch 0.61 -> 0.15 s after
+#: the build, pass time unchanged; ``benchmarks/bench_first_batch.py``).
+FETCH_RECORDS_PER_CALL = 8
 #: File name of the drop log inside ``build_pipeline``'s ``work_dir``.
 DROP_LOG_NAME = "drops.jsonl"
-#: Folder inside ``work_dir`` where text mode saves the tokenizer Zephon loads.
-TEXT_TOKENIZER_DIR = "text_tokenizer"
 _BINNED = ("first_fit", "best_fit")
 
 
@@ -81,32 +84,28 @@ class DataParallel:
 
 @dataclass(frozen=True)
 class PreparedTokenizer:
-    """The tokenizer as every epoch's pipeline uses it, loaded and saved once (:func:`prepare_tokenizer`).
+    """The tokenizer as every epoch's pipeline uses it, loaded once (:func:`prepare_tokenizer`).
 
     Attributes:
-        tokenizer: The loaded, checked tokenizer (``None``: pretokenized without one).
-        zephon_dir: Text mode: the copy saved (``split_special_tokens=True``) for Zephon's ``tokenize`` to load;
-            ``None`` otherwise.
+        tokenizer: The loaded, checked tokenizer (``None``: pretokenized without one); in text mode loaded with
+            ``split_special_tokens=True`` and handed to Zephon's ``tokenize`` as is.
     """
 
     tokenizer: Any
-    zephon_dir: Path | None
 
 
-def prepare_tokenizer(config: TextLoaderConfig, *, work_dir: str | os.PathLike[str],
+def prepare_tokenizer(config: TextLoaderConfig, *,
                       tokenizer_dir: str | os.PathLike[str] | None = None) -> PreparedTokenizer:
-    """Load and check the tokenizer (and, in text mode, save Zephon's copy into ``work_dir``): once per loader.
+    """Load and check the tokenizer: once per loader.
 
-    Args and raises: as :func:`build_pipeline`'s ``config``, ``work_dir`` and ``tokenizer_dir``.
+    Text mode hands this object to Zephon's ``tokenize``: a folder for Zephon to load would make its op import
+    AutoTokenizer's model registry in the engine thread (~1 s before the first batch). Cost: Zephon keeps about
+    0.2 MiB of native heap per engine start with a tokenizer object (one per epoch; ``bench_soak.py --mode
+    passes``: +3.9% RSS over 44 passes).
+
+    Args and raises: as :func:`build_pipeline`'s ``config`` and ``tokenizer_dir``.
     """
-    tokenizer = _load_tokenizer(config, config.input_mode, tokenizer_dir)
-    zephon_dir = None
-    if config.input_mode == "text":
-        # Zephon gets a saved folder, not the object: a tokenizer object passed to Zephon's tokenize
-        # kept ~0.4 MiB of heap per iter() (measured with bench_soak.py --mode passes).
-        zephon_dir = Path(work_dir) / TEXT_TOKENIZER_DIR
-        tokenizer.save_pretrained(zephon_dir)
-    return PreparedTokenizer(tokenizer, zephon_dir)
+    return PreparedTokenizer(_load_tokenizer(config, config.input_mode, tokenizer_dir))
 
 
 @dataclass(frozen=True)
@@ -150,9 +149,7 @@ def build_pipeline(
         config: The validated loader config.
         work_dir: Existing folder the pipeline writes to, owned (and removed)
             by the caller: ``drops.jsonl`` (drop events of the record checks,
-            read by :mod:`zephon_loader.stats`) and, in text mode,
-            ``text_tokenizer/`` (the tokenizer saved with
-            ``split_special_tokens=True`` for Zephon to load).
+            read by :mod:`zephon_loader.stats`).
         tokenizer_dir: Tokenizer folder; default ``config.tokenizer.path``
             (the builder passes the recipe's tokenizer, saved, when the YAML names none).
         dp: This rank's data-parallel coordinates.
@@ -164,8 +161,8 @@ def build_pipeline(
         transform: Optional payload map run first (pretokenized mode: it must
             emit the pretokenized field, and the eligibility field if configured).
         prepared: The tokenizer an earlier build of this loader prepared
-            (``BuiltPipeline.prepared``, same ``config`` and ``work_dir``): an
-            epoch's rebuild neither reloads nor re-saves it. ``None``:
+            (``BuiltPipeline.prepared``, same ``config``): an epoch's rebuild
+            does not reload it. ``None``:
             :func:`prepare_tokenizer` (``tokenizer_dir`` is then used).
 
     Raises:
@@ -180,7 +177,7 @@ def build_pipeline(
         require_ray()  # one ImportError naming the extra, before anything starts
     mode = config.input_mode
     if prepared is None:
-        prepared = prepare_tokenizer(config, work_dir=work_dir, tokenizer_dir=tokenizer_dir)
+        prepared = prepare_tokenizer(config, tokenizer_dir=tokenizer_dir)
     tokenizer = prepared.tokenizer
     pad_token_id = _pad_token_id(config, tokenizer)
     dist = config.distributed
@@ -189,10 +186,10 @@ def build_pipeline(
     drop_log = DropLog(os.path.join(work_dir, DROP_LOG_NAME))
     checks = {"shards": work.shards, "policy": config.on_bad_record, "log": drop_log}
 
-    pipeline = zephon.Pipeline(work.source)
+    pipeline = zephon.Pipeline(work.source).fetch(max_batch=FETCH_RECORDS_PER_CALL)
     if transform is not None:
         pipeline = pipeline.map_transform(transform)
-    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks, prepared.zephon_dir)
+    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks)
     pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks)
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
@@ -258,7 +255,6 @@ def _pad_token_id(config: TextLoaderConfig, tokenizer: Any) -> int:
 
 def _tokenize(
     pipeline: Any, config: TextLoaderConfig, mode: str, tokenizer: Any, checks: dict[str, Any],
-    zephon_dir: Path | None,
 ) -> tuple[Any, str | None]:
     """Raw-record checks and tokenizing; returns the pipeline and the loss-mask field (chat) or None."""
     tok = config.tokenizer
@@ -275,8 +271,8 @@ def _tokenize(
     if mode == "text":
         # Special-token strings inside documents ("<|endoftext|>", the pad token) stay ordinary text:
         # a control id never comes from data. BOS/EOS bracketing is added by id, not by string.
-        # Zephon loads the copy prepare_tokenizer saved (split_special_tokens=True).
-        pipeline = pipeline.tokenize(tokenizer_id=str(zephon_dir), field=tok.text_field, add_attention_mask=False,
+        # Zephon tokenizes with the object prepare_tokenizer loaded (split_special_tokens=True).
+        pipeline = pipeline.tokenize(tokenizer=tokenizer, field=tok.text_field, add_attention_mask=False,
                                      special_tokens=tok.special_tokens, parallelism=parallelism, placement=placement)
         set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
         return pipeline, None
