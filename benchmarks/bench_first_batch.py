@@ -1,16 +1,18 @@
-"""First-batch latency and peak memory on a corpus of long documents, by ``runtime.tokenize_parallelism``.
+"""First-batch latency and peak memory at the defaults, by ``runtime.tokenize_parallelism`` and corpus size.
 
-Zephon tokenizes 64 documents per call and keeps several calls in flight, so
-on a corpus of long files the first batch waits for many of them to be
-tokenized and their text and tokens are held at once. ``tokenize_parallelism``
-bounds the calls in flight. Each setting runs in a fresh process (peak RSS is
-per process), interleaved over ``--repeats`` rounds so machine noise hits all
-settings alike; medians are printed side by side.
+Every measurement is a fresh process (peak RSS is per process), settings
+interleaved over ``--repeats`` rounds so machine noise hits all alike; medians
+are printed side by side. The time counts from ``build_text_loader`` (the
+build: config, tokenizer, shard table) to the first batch, as a user waits for
+it; ``transformers`` is imported before (a training script has it loaded).
 
 The corpus is the Python standard library's ``.py`` files as JSONL (heavy
-tailed: a few files of 100k+ tokens), packed with ``wrap``.
+tailed: a few files of 100k+ tokens), S=2048, B=8, packed with ``wrap``, every
+other setting the default (runner, read-ahead). ``--sizes`` compares corpus
+sizes at the default setting (``quarter,whole``: a quarter of the stdlib files
+and all of them; the first batch should not depend on the corpus' size).
 
-    python benchmarks/bench_first_batch.py [--files 600] [--repeats 3] [--settings default,1,2]
+    python benchmarks/bench_first_batch.py [--files 600] [--repeats 3] [--settings default,1,2] [--sizes]
 """
 
 from __future__ import annotations
@@ -49,22 +51,21 @@ def make_corpus(folder: Path, files: int) -> tuple[int, int]:
 
 
 def child(corpus: Path, setting: str) -> None:
-    """One measurement in this process: build, time the first batch, then one more batch; print JSON."""
+    """One measurement in this process: build, time the first batch, then 20 more; print JSON."""
+    import transformers  # noqa: F401 - loaded before the timed part, as in a training script
+
     from zephon_loader import build_text_loader
     from zephon_loader.config import package_data_dir
 
-    runtime = {"runner": "threads"}
-    if setting != "default":
-        runtime["tokenize_parallelism"] = int(setting)
     config = {
         "sources": [{"name": "stdlib", "path": str(corpus)}],
         "tokenizer": {"path": str(package_data_dir() / "tokenizer")},
         "sequence_length": 2048,
-        "micro_batch_size": 4,
+        "micro_batch_size": 8,
         "packing": {"algorithm": "wrap"},
-        "read_ahead": 0,
-        "runtime": runtime,
     }
+    if setting != "default":
+        config["runtime"] = {"tokenize_parallelism": int(setting)}
     start = time.perf_counter()
     with build_text_loader(config) as loader:
         built = time.perf_counter()
@@ -75,8 +76,27 @@ def child(corpus: Path, setting: str) -> None:
             next(iterator)
         twenty = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-    print(json.dumps({"build_s": built - start, "first_batch_s": first - built, "next_20_s": twenty - first,
+    print(json.dumps({"build_s": built - start, "first_batch_s": first - start, "next_20_s": twenty - first,
                       "peak_rss_mib": peak}))
+
+
+def _measure(cases: dict[str, tuple[Path, str]], repeats: int) -> dict[str, dict[str, float]]:
+    """Run each case (corpus, setting) once per round, interleaved; medians per case."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, (corpus, setting) in cases.items():
+            out = subprocess.run([sys.executable, __file__, "--child", str(corpus), setting], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    return {name: {key: statistics.median(run[key] for run in got) for key in got[0]} for name, got in runs.items()}
+
+
+def _print(label: str, medians: dict[str, dict[str, float]]) -> None:
+    print(f"{label:>22} {'build s':>8} {'first batch s':>14} {'next 20 s':>10} {'peak RSS MiB':>13}")
+    for name, med in medians.items():
+        print(f"{name:>22} {med['build_s']:>8.2f} {med['first_batch_s']:>14.2f} {med['next_20_s']:>10.2f} "
+              f"{med['peak_rss_mib']:>13.0f}")
 
 
 def main() -> None:
@@ -84,27 +104,31 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=600, help="stdlib files in the corpus")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each setting once per round)")
     parser.add_argument("--settings", default="default,1,2", help="comma-separated tokenize_parallelism values")
+    parser.add_argument("--sizes", action="store_true",
+                        help="instead: the default setting on a quarter of the stdlib files and on all of them")
     parser.add_argument("--child", nargs=2, metavar=("CORPUS", "SETTING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(Path(args.child[0]), args.child[1])
         return
-    settings = args.settings.split(",")
+    print(f"{os.cpu_count()} CPUs, affinity {len(os.sched_getaffinity(0))}; S=2048, B=8, wrap, default runner and "
+          "read-ahead; time from build_text_loader to the first batch")
     with tempfile.TemporaryDirectory() as root:
+        if args.sizes:
+            whole, whole_size = make_corpus(Path(root) / "whole", 10**6)
+            quarter, quarter_size = make_corpus(Path(root) / "quarter", whole // 4)
+            print(f"corpora: {quarter} files ({quarter_size / 2**20:.1f} MiB) and {whole} files "
+                  f"({whole_size / 2**20:.1f} MiB)")
+            medians = _measure({"quarter": (Path(root) / "quarter", "default"),
+                                "whole": (Path(root) / "whole", "default")}, args.repeats)
+            _print("corpus", medians)
+            print(f"first batch whole / quarter: {medians['whole']['first_batch_s'] / medians['quarter']['first_batch_s']:.2f}")
+            return
         corpus = Path(root) / "stdlib"
         documents, size = make_corpus(corpus, args.files)
-        print(f"corpus: {documents} stdlib files, {size / 2**20:.1f} MiB of text; S=2048, B=4, wrap, threads runner")
-        results: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        for _ in range(args.repeats):
-            for setting in settings:
-                out = subprocess.run([sys.executable, __file__, "--child", str(corpus), setting], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-                results[setting].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{'tokenize_parallelism':>22} {'first batch s':>14} {'next 20 s':>10} {'peak RSS MiB':>13}")
-    for setting, runs in results.items():
-        med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-        print(f"{setting:>22} {med['first_batch_s']:>14.2f} {med['next_20_s']:>10.2f} {med['peak_rss_mib']:>13.0f}")
+        print(f"corpus: {documents} stdlib files, {size / 2**20:.1f} MiB of text")
+        medians = _measure({setting: (corpus, setting) for setting in args.settings.split(",")}, args.repeats)
+        _print("tokenize_parallelism", medians)
 
 
 if __name__ == "__main__":
