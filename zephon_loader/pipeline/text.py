@@ -33,8 +33,8 @@ from zephon_loader.pipeline.object_store import store_options
 from zephon_loader.pipeline.shards import cache_dir
 from zephon_loader.pipeline.work_source import OpenedSources, WorkSource, build_work_source, lane_options
 
-__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "FETCH_RECORDS_PER_CALL", "TOKENIZE_RECORDS_PER_CALL", "BuiltPipeline", "DataParallel",
-           "PreparedTokenizer", "build_pipeline", "prepare_tokenizer", "runtime_options"]
+__all__ = ["DEFAULT_NUM_BINS", "DROP_LOG_NAME", "FETCH_RECORDS_PER_CALL", "TOKENIZE_RECORDS_PER_CALL", "BuiltPipeline",
+           "DataParallel", "PreparedTokenizer", "build_pipeline", "prepare_tokenizer", "runtime_options"]
 
 #: Bins kept open by ``first_fit``/``best_fit`` when the config does not say.
 DEFAULT_NUM_BINS = 8
