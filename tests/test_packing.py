@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from packed_batches import packed_batches, reference_metadata
 from zephon_loader import fields as F
-from zephon_loader.packing import build_packed_sequence_metadata, flatten_packed_sequence_metadata
+from zephon_loader.packing import (build_packed_sequence_metadata, flatten_packed_sequence_metadata,
+                                   packed_sequence_metadata_of)
 from zephon_loader.contract import DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract, contract_for_attention
 
 SPEC_IDS = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 0, 1, 2, 2, 2, 2]])
@@ -53,6 +54,27 @@ def test_metadata_equals_reference(batch):
             assert ours[name].dtype == ref[name].dtype, name
         else:
             assert ours[name] == ref[name]
+
+
+@settings(max_examples=150, deadline=None)
+@given(packed_batches(eligibility=False))
+def test_contiguous_fast_path_equals_reference(batch):
+    """The final map's path for collate's ids (1 .. n per row, none absent) = AutoModel's reference."""
+    ids = batch[F.DOCUMENT_IDS]
+    ours, ref = packed_sequence_metadata_of(ids, int(ids.max()), contiguous=True), reference_metadata(ids)
+    for name in F.METADATA:
+        if isinstance(ref[name], torch.Tensor):
+            assert torch.equal(ours[name], ref[name]) and ours[name].dtype == ref[name].dtype, name
+        else:
+            assert ours[name] == ref[name]
+
+
+def test_contiguous_fast_path_with_padding_rows():
+    ids = torch.tensor([[1, 1, 2, 3, 3, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    meta = packed_sequence_metadata_of(ids, 3, contiguous=True)
+    assert meta[F.CU_SEQLENS].tolist() == [[0, 2, 3, 5], [0, -1, -1, -1], [0, 6, -1, -1]]
+    assert meta[F.CU_SEQLENS].dtype == torch.int32 and meta[F.MAX_SEQLEN] == 6
+    assert meta[F.CU_SEQLENS].tolist() == build_packed_sequence_metadata(ids)[F.CU_SEQLENS].tolist()
 
 
 def _flat(meta, batch_size, sequence_length):

@@ -104,13 +104,13 @@ def _validate_positions(batch: Mapping[str, Any], batch_shape: tuple[int, int]) 
 
 
 def padding_is_trailing(padding: torch.Tensor) -> bool:
-    """Whether every row of a bool ``[B, S]`` mask is False, then True to its end (one cheap pass).
+    """Whether every row of a bool ``[B, S]`` mask is False, then True to its end (two tensor calls).
 
-    A True → False step is the only decrease of the row read as 0/1 bytes.
+    A row is trailing padding exactly when it equals its running maximum (once True, True to the end).
     """
     if padding.shape[-1] < 2 or padding.numel() == 0:
         return True
-    return int(padding.view(torch.int8).diff(dim=-1).min()) >= 0
+    return torch.equal(padding, padding.cummax(dim=-1).values)
 
 
 def _check_trailing_padding(padding: torch.Tensor) -> None:

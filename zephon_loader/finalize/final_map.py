@@ -34,7 +34,8 @@ from zephon_loader import fields as F
 from zephon_loader.attention import (attention_document_ids, check_training_batch, joined_positions,
                                      require_supported_packing_contract)
 from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract
-from zephon_loader.packing import build_packed_sequence_metadata, compact_left, document_lengths, single_document_metadata
+from zephon_loader.packing import (compact_left, document_lengths, packed_sequence_metadata_of,
+                                   single_document_metadata)
 
 #: Internal keys the final map consumes; everything else not yielded by the
 #: contract passes through unchanged (e.g. processor outputs like pixel values).
@@ -378,11 +379,16 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
     else:
         out.update(hf_position_fields(ids, work[F.POSITION_IDS], work[F.PADDING_MASK], work[F.LABELS],
                                       check=not _validated))
+    # The largest id, read once (joined ids are <= 1; collate's ids are nonnegative).
+    high = None if settings.xdoc or not (settings.metadata or ids.numel()) else int(ids.max()) if ids.numel() else 0
     if settings.metadata:
-        out.update(single_document_metadata(member) if settings.xdoc else build_packed_sequence_metadata(ids))
+        # collate's ids are a running count of document starts (1 .. n per row) unless eligibility zeroed some.
+        contiguous = _validated and F.ATTENTION_ELIGIBILITY not in work
+        out.update(single_document_metadata(member) if settings.xdoc
+                   else packed_sequence_metadata_of(ids, high, contiguous=contiguous))
     if settings.thd:
         out.update(thd_fields(ids))
-    if settings.metadata or (not settings.xdoc and ids.numel() and int(ids.max()) > 1):  # joined ids are <= 1
+    if settings.metadata or (high is not None and high > 1):
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():
         if name not in out and name not in _CONSUMED:
