@@ -100,3 +100,45 @@ def test_the_first_batch_waits_for_fewer_documents_than_zephons_default_call(tok
     zephons = _documents_before_first_batch(config, monkeypatch)
     # Zephon's read-ahead buffers are bounded but timing-dependent: only the order is asserted (measured 92 vs 164).
     assert zephons >= 64 and ours < zephons, f"first batch after {ours} documents with 8 per read call, {zephons} with 64"
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads"])
+def test_every_epoch_tokenizes_with_the_one_loaded_tokenizer(jsonl_sources, tokenizer_dir, monkeypatch, runner):
+    """Zephon deep-copies its tokenize operator at each engine start; a copied (or reloaded) fast tokenizer keeps
+    native memory and tokenizes slower pass after pass. The copies must share the loaded one."""
+    import transformers
+
+    called: set[int] = set()
+    original = transformers.TokenizersBackend.__call__
+
+    def recording(self, *args, **kwargs):
+        called.add(id(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.TokenizersBackend, "__call__", recording)
+    config = text_config(jsonl_sources["a"], tokenizer_dir, runtime={"runner": runner, "tokenize_parallelism": 2})
+    with build_text_loader(config) as loader:
+        passes = [[batch["input_ids"].tolist() for batch in loader] for _ in range(3)]
+    assert passes[0] and all(len(p) == len(passes[0]) for p in passes)
+    assert len(called) == 1, f"{len(called)} tokenizer objects tokenized 3 epochs; expected the one loaded"
+
+
+def test_shared_tokenizer_is_never_copied_and_pickles_whole(tokenizer_dir):
+    import copy
+    import pickle
+
+    from zephon_loader.tokenizing import SharedTokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir, split_special_tokens=True)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=4)
+    shared = SharedTokenizer(tokenizer)
+    assert tokenizer.backend_tokenizer.truncation is None, "threads sharing it would race to switch it off"
+    held = copy.deepcopy({"op": [shared]})
+    assert held["op"][0] is shared and shared.tokenizer is tokenizer
+    expected = tokenizer([SAMPLE], add_special_tokens=False)["input_ids"]
+    assert shared([SAMPLE], add_special_tokens=False)["input_ids"] == expected
+    assert (shared.eos_token_id, shared.name_or_path, len(shared)) == (
+        tokenizer.eos_token_id, tokenizer.name_or_path, len(tokenizer))
+    restored = pickle.loads(pickle.dumps(shared))  # the process and ray runners' workers
+    assert isinstance(restored, SharedTokenizer) and restored.tokenizer is not tokenizer
+    assert restored([SAMPLE], add_special_tokens=False)["input_ids"] == expected

@@ -28,7 +28,8 @@ from zephon_loader.pipeline.records import CheckRawRecords, CheckTokens
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
 from zephon_loader.pipeline.ray_runner import require_ray, tokenize_placement
 from zephon_loader.zephon_compat import ZEPHON_LOSS_MASK_KEY, ZEPHON_TOKENS_KEY, set_records_per_call
-from zephon_loader.tokenizing import check_token_id, check_tokenizer_dir, load_tokenizer, pad_token_id_of
+from zephon_loader.tokenizing import (SharedTokenizer, check_token_id, check_tokenizer_dir, load_tokenizer,
+                                     pad_token_id_of)
 from zephon_loader.pipeline.object_store import store_options
 from zephon_loader.pipeline.shards import cache_dir
 from zephon_loader.pipeline.work_source import OpenedSources, WorkSource, build_work_source, lane_options
@@ -98,10 +99,10 @@ def prepare_tokenizer(config: TextLoaderConfig, *,
                       tokenizer_dir: str | os.PathLike[str] | None = None) -> PreparedTokenizer:
     """Load and check the tokenizer: once per loader.
 
-    Text mode hands this object to Zephon's ``tokenize``: a folder for Zephon to load would make its op import
-    AutoTokenizer's model registry in the engine thread (~1 s before the first batch). Cost: Zephon keeps about
-    0.2 MiB of native heap per engine start with a tokenizer object (one per epoch; ``bench_soak.py --mode
-    passes``: +3.9% RSS over 44 passes).
+    Text mode hands this object to Zephon's ``tokenize`` (wrapped in
+    :class:`~zephon_loader.tokenizing.SharedTokenizer`, so that Zephon's per-engine-start copies of its
+    operator share it instead of copying it): a folder for Zephon to load would make its op import
+    AutoTokenizer's model registry in the engine thread (~1 s before the first batch).
 
     Args and raises: as :func:`build_pipeline`'s ``config`` and ``tokenizer_dir``.
     """
@@ -271,8 +272,9 @@ def _tokenize(
     if mode == "text":
         # Special-token strings inside documents ("<|endoftext|>", the pad token) stay ordinary text:
         # a control id never comes from data. BOS/EOS bracketing is added by id, not by string.
-        # Zephon tokenizes with the object prepare_tokenizer loaded (split_special_tokens=True).
-        pipeline = pipeline.tokenize(tokenizer=tokenizer, field=tok.text_field, add_attention_mask=False,
+        # Zephon tokenizes with the object prepare_tokenizer loaded (split_special_tokens=True), one for the
+        # process: its operator copies (one per engine start) share it (SharedTokenizer).
+        pipeline = pipeline.tokenize(tokenizer=SharedTokenizer(tokenizer), field=tok.text_field, add_attention_mask=False,
                                      special_tokens=tok.special_tokens, parallelism=parallelism, placement=placement)
         set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
         return pipeline, None
