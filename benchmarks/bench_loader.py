@@ -13,6 +13,11 @@ return_labels=True, return_padding_mask=True)``: the least a training loop
 on Zephon must do. "loader" adds document ids, the final
 map for the configured contract, read-ahead and the torchdata graph.
 
+``--shape BxS`` overrides the config's micro-batch size and sequence length;
+``--stdlib-files N`` replaces its sources with N files of the Python standard
+library as JSONL (``bench_first_batch.make_corpus``: heavy-tailed, real), so that
+a long row shape such as 8x8192 still has many batches per pass.
+
 ``--runner`` overrides the config's Zephon runner on both sides (threads
 workers compete with the consumer for Python's GIL on few cores; ``inline``
 runs Zephon in the consumer's thread). ``--step-ms`` adds a simulated training
@@ -39,11 +44,25 @@ from zephon_loader.config import default_config_path
 from zephon_loader.pipeline.text import build_pipeline
 
 
+#: Set by main(): overrides applied to the config on both sides (shape, sources).
+OVERRIDES: dict[str, Any] = {}
+
+
 def _config(config_path: Path, runner: str | None) -> Any:
     cfg = read_loader_config(config_path)
+    if OVERRIDES:
+        cfg = dataclasses.replace(cfg, **OVERRIDES)
     if runner is not None:
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, runner=runner))
     return cfg
+
+
+def _shape(text: str) -> tuple[int, int]:
+    rows, _, length = text.lower().partition("x")
+    try:
+        return int(rows), int(length)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape: got {text!r}, expected BxS such as 8x8192") from None
 
 
 def direct_tokens_per_s(config_path: Path, passes: int, runner: str | None = None, step_s: float = 0.0) -> tuple[float, int]:
@@ -93,10 +112,28 @@ def main() -> None:
     parser.add_argument("--runner", choices=("threads", "inline", "process"), default=None,
                         help="Zephon runner on both sides (default: the config's)")
     parser.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (a sleep)")
+    parser.add_argument("--shape", type=_shape, default=None, help="BxS: micro_batch_size x sequence_length")
+    parser.add_argument("--stdlib-files", type=int, default=0,
+                        help="read N Python standard library files (JSONL) instead of the config's sources")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_loader_corpus_") as corpus_root:
+        if args.shape is not None:
+            OVERRIDES.update(micro_batch_size=args.shape[0], sequence_length=args.shape[1])
+        if args.stdlib_files:
+            from bench_first_batch import make_corpus
+            from zephon_loader.config.schema import SourceConfig
+
+            documents, size = make_corpus(Path(corpus_root) / "stdlib", args.stdlib_files)
+            print(f"corpus: {documents} stdlib files, {size / 2**20:.1f} MiB of text")
+            OVERRIDES["sources"] = (SourceConfig(name="stdlib", path=str(Path(corpus_root) / "stdlib")),)
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     runner, step = args.runner, args.step_ms / 1000
     cfg = _config(args.config, runner)
-    print(f"config {args.config}  runner {cfg.runtime.runner}  step {args.step_ms} ms  torch {torch.__version__}  "
+    print(f"config {args.config}  shape {cfg.micro_batch_size}x{cfg.sequence_length}  runner {cfg.runtime.runner}  "
+          f"step {args.step_ms} ms  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}")
     read_ahead = cfg.read_ahead
     sides = {
