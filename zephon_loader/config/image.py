@@ -154,8 +154,8 @@ class ImageLoaderConfig(LoaderConfig):
             the processor passed to the builder (or the built-in one on the recipe's model folder).
         records: See :class:`RecordsConfig`.
         packing: See :class:`ImagePackingOptions`.
-        read_ahead: Default 0 (inline): decoding and processing already run ahead in Zephon's workers, and a
-            state saved with read-ahead carries the pixel values of the batches read ahead (tens of MB each).
+        read_ahead: Default 0 (inline): decoding and processing already run ahead in Zephon's workers
+            (``bench_image_loader.py``: 0.94 of the processor alone inline, 0.90 with 2).
         runtime: See :class:`ImageRuntimeConfig`.
 
     ``xdoc`` continues positions on all three mRoPE axes.
