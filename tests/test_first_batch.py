@@ -142,3 +142,60 @@ def test_shared_tokenizer_is_never_copied_and_pickles_whole(tokenizer_dir):
     restored = pickle.loads(pickle.dumps(shared))  # the process and ray runners' workers
     assert isinstance(restored, SharedTokenizer) and restored.tokenizer is not tokenizer
     assert restored([SAMPLE], add_special_tokens=False)["input_ids"] == expected
+
+
+def _texts_tokenized(monkeypatch) -> list[int]:
+    import transformers
+
+    count = [0]
+    original = transformers.TokenizersBackend.__call__
+
+    def counting(self, texts, *args, **kwargs):
+        count[0] += len(texts) if isinstance(texts, list) else 1
+        return original(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.TokenizersBackend, "__call__", counting)
+    return count
+
+
+def test_a_resume_re_reads_at_most_the_flush_window(jsonl_sources, tokenizer_dir, monkeypatch):
+    """Zephon rebuilds its packing on a restore by re-reading what came since its last flush:
+    flush_every_records bounds that (and so the wait for the first resumed batch); the stream stays exact."""
+    count = _texts_tokenized(monkeypatch)
+    resumed_reads = {}
+    for window in (None, 20):
+        config = text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=window)
+        with build_text_loader(config) as loader:
+            batches = [batch["input_ids"] for batch in loader]
+        with build_text_loader(config) as loader:
+            iterator = iter(loader)
+            for _ in range(len(batches) * 3 // 4):
+                next(iterator)
+            state = loader.state_dict()
+        with build_text_loader(config) as loader:
+            loader.load_state_dict(state)
+            count[0] = 0
+            iterator = iter(loader)
+            first = next(iterator)
+            resumed_reads[window] = count[0]
+            rest = [first["input_ids"]] + [batch["input_ids"] for batch in iterator]
+        assert all(a.equal(b) for a, b in zip(rest, batches[len(batches) * 3 // 4:], strict=True)), window
+    # 100 records in one pass, the state cut after ~75 of them. Before its first batch a resume reads
+    # what Zephon re-reads plus what it reads ahead (at most the ~25 left). Without a window Zephon
+    # re-reads from the pass' start; with 20, at most the window (whole calls of 8).
+    assert resumed_reads[None] >= 75, resumed_reads
+    assert resumed_reads[20] <= 24 + 25 + 8, resumed_reads
+
+
+def test_flush_every_records_is_checked_and_fingerprinted(jsonl_sources, tokenizer_dir):
+    config = text_config(jsonl_sources["a"], tokenizer_dir, chunk_size=25, flush_every_records=10)
+    with pytest.raises(ValueError, match=r"dataloader.flush_every_records: got 10, expected at least chunk_size=25"):
+        build_text_loader(config)
+    with pytest.raises(ValueError, match=r"dataloader.flush_every_records: got 0, expected an int > 0 or null"):
+        build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=0))
+    with build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=20)) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir)) as loader:
+        with pytest.raises(ValueError, match="flush_every_records"):
+            loader.load_state_dict(state)

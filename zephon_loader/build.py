@@ -269,8 +269,8 @@ def stream_fingerprint(
     order, contract), then the builder's own (``specific``: tokenizer, processor,
     packing, label masking, ...). Shard contents, not paths: a run may resume
     where the data is mounted elsewhere (:mod:`zephon_loader.fingerprint`).
-    ``mixture`` and ``passes`` are named only when not their defaults, so states
-    saved before those keys existed still load.
+    ``mixture``, ``passes`` and ``flush_every_records`` are named only when not their defaults, so
+    states saved before those keys existed still load.
     """
     fingerprint = {
         "sources": [[source.name, source.weight] for source in cfg.sources],
@@ -285,7 +285,7 @@ def stream_fingerprint(
         "xdoc": cfg.xdoc,
         **specific,
     }
-    for key, default in (("mixture", "repeat"), ("passes", 1)):
+    for key, default in (("mixture", "repeat"), ("passes", 1), ("flush_every_records", None)):
         if getattr(cfg, key) != default:
             fingerprint[key] = getattr(cfg, key)
     return fingerprint

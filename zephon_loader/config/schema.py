@@ -326,6 +326,12 @@ class LoaderConfig:
             batches on every rank, see ``distributed.even_passes``). ``null``:
             endless, for training by steps.
         chunk_size: Zephon work-chunk size in records; ``None`` picks one that fits the smallest source.
+        flush_every_records: Records (per lane) between Zephon's flushes of packing and batching. A
+            resume re-reads and re-tokenizes what came since the last flush (Zephon rebuilds its
+            packing that way), so this bounds a resume's wait for its first batch; each flush pads
+            the open rows and delivers a short batch (padded to ``micro_batch_size``). ``None``
+            (default): Zephon's cadence at the largest chunk size, 8 chunks of up to 16,384 records
+            (the whole pass on small corpora): the least padding (README, "Resume").
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
         block_mask_budget_bytes: Largest block-causal ``[B, 1, S, S]`` mask allowed.
@@ -349,6 +355,7 @@ class LoaderConfig:
     mixture: Literal["repeat", "once"] = "repeat"
     passes: int | None = 1
     chunk_size: int | None = None
+    flush_every_records: int | None = None
     read_ahead: int = 2
     block_mask_budget_bytes: int = DEFAULT_BLOCK_MASK_BUDGET_BYTES
     on_bad_record: Literal["error", "skip"] = "error"
@@ -406,6 +413,7 @@ class LoaderConfig:
         return {
             "sequence_length": self.sequence_length, "micro_batch_size": self.micro_batch_size,
             "block_mask_budget_bytes": self.block_mask_budget_bytes, "chunk_size": self.chunk_size,
+            "flush_every_records": self.flush_every_records,
             "max_record_tokens": self.max_record_tokens,
             "packing.num_bins": self.packing.num_bins,  # type: ignore[attr-defined]
             **{f"runtime.{f.name}": getattr(runtime, f.name) for f in dataclasses.fields(runtime)

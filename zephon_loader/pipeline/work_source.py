@@ -305,16 +305,25 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
     counts = list(sources.counts)
     weights = [source.weight for source in config.sources]
     once = config.mixture == "once"
+    window = config.flush_every_records
     if once:  # every record exactly once: Zephon clamps a running-out source's quota, no pass is cut short
         upper = _lane_cap(min(DEFAULT_CHUNK_SIZE, sum(counts)), counts, lanes)
-        chunk_size = config.chunk_size or upper
+        chunk_size = config.chunk_size or (upper if window is None else min(upper, window))
     else:
-        chunk_size, upper = _work_chunk_size(names, counts, weights, config.chunk_size, lanes)
-    # Every K chunks Zephon flushes packing and batching: the open rows are padded and a short batch
-    # is delivered (padded to B by collate). Keep the records between flushes near what its default
-    # K gives at the largest size the data allows, so small chunk sizes do not flush every few records.
-    flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS,
-                               max(ZEPHON_FLUSH_EVERY_K_CHUNKS, -(-ZEPHON_FLUSH_EVERY_K_CHUNKS * upper // chunk_size)))
+        chunk_size, upper = _work_chunk_size(names, counts, weights, config.chunk_size, lanes, window)
+    if window is not None:
+        # The records between flushes asked for: chunks no larger, as many of them as fit.
+        if chunk_size > window:
+            raise ValueError(_err("dataloader.flush_every_records", window, f"at least chunk_size={chunk_size}",
+                                  "Zephon flushes between whole chunks: raise it, or lower chunk_size "
+                                  "(or set chunk_size: null to fit it)."))
+        flush_every_k_chunks = max(1, window // chunk_size)
+    else:
+        # Every K chunks Zephon flushes packing and batching: the open rows are padded and a short batch
+        # is delivered (padded to B by collate). Keep the records between flushes near what its default
+        # K gives at the largest size the data allows, so small chunk sizes do not flush every few records.
+        flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS, max(ZEPHON_FLUSH_EVERY_K_CHUNKS,
+                                                                 -(-ZEPHON_FLUSH_EVERY_K_CHUNKS * upper // chunk_size)))
     source = zephon.StaticMixtureWorkSource(
         list(sources.datasets),
         zephon.MixtureSpec(dict(zip(names, weights, strict=True))),
@@ -348,14 +357,16 @@ def _lane_cap(largest: int, counts: Sequence[int], lanes: int) -> int:
 
 
 def _work_chunk_size(
-    names: Sequence[str], counts: Sequence[int], weights: Sequence[float], chunk_size: int | None, lanes: int
+    names: Sequence[str], counts: Sequence[int], weights: Sequence[float], chunk_size: int | None, lanes: int,
+    window: int | None = None,
 ) -> tuple[int, int]:
-    """``(chunk size, the largest size the data allows)``: the configured size checked, or the chosen one."""
+    """``(chunk size, the largest size the data allows)``: the configured size checked, or the chosen one
+    (no larger than ``window``, the records asked for between flushes, when given)."""
     shares = _shares(weights)
     largest = _largest_servable_chunk_size(counts, shares, DEFAULT_CHUNK_SIZE)
     upper = _lane_cap(largest, counts, lanes)
     if chunk_size is None:
-        return choose_chunk_size(counts, weights, upper=upper), upper
+        return choose_chunk_size(counts, weights, upper=upper if window is None else min(upper, window)), upper
     if chunk_size > largest:
         short = [
             f"{name!r} has {n} records, needs {_liveness_required(s, chunk_size)}"
