@@ -11,8 +11,13 @@ tailed: a few files of 100k+ tokens), S=2048, B=8, packed with ``wrap``, every
 other setting the default (runner, read-ahead). ``--sizes`` compares corpus
 sizes at the default setting (``quarter,whole``: a quarter of the stdlib files
 and all of them; the first batch should not depend on the corpus' size).
+``--resume 100,300`` compares a fresh start with resuming from a state saved
+after 100 (and 300) batches (saved by an untimed process; the time counts
+from the build, ``load_state_dict`` included, and the resumed first batch is
+checked to be the uninterrupted run's next one).
 
     python benchmarks/bench_first_batch.py [--files 600] [--repeats 3] [--settings default,1,2] [--sizes]
+                                           [--resume N,M]
 """
 
 from __future__ import annotations
@@ -50,9 +55,22 @@ def make_corpus(folder: Path, files: int) -> tuple[int, int]:
     return len(paths), total
 
 
+def _digest(batch: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(batch["input_ids"].numpy().tobytes() + batch["labels"].numpy().tobytes()).hexdigest()
+
+
 def child(corpus: Path, setting: str) -> None:
-    """One measurement in this process: build, time the first batch, then 20 more; print JSON."""
+    """One measurement in this process: build, time the first batch, then 20 more; print JSON.
+
+    ``setting``: a ``tokenize_parallelism`` value or ``default``; ``save@N`` (untimed) iterates N batches, saves
+    the state and the digest of batch N + 1 beside the corpus; ``resume@N`` builds, loads that state, times the
+    first batch and checks that it is batch N + 1.
+    """
     import transformers  # noqa: F401 - loaded before the timed part, as in a training script
+
+    import torch
 
     from zephon_loader import build_text_loader
     from zephon_loader.config import package_data_dir
@@ -64,14 +82,28 @@ def child(corpus: Path, setting: str) -> None:
         "micro_batch_size": 8,
         "packing": {"algorithm": "wrap"},
     }
-    if setting != "default":
+    mode, _, count = setting.partition("@")
+    state_file = corpus.parent / f"state-{count}.pt"
+    if mode == "save":
+        with build_text_loader(config) as loader:
+            iterator = iter(loader)
+            for _ in range(int(count)):
+                next(iterator)
+            torch.save({"loader": loader.state_dict(), "next": _digest(next(iterator))}, state_file)
+        return
+    if mode not in ("default", "resume"):
         config["runtime"] = {"tokenize_parallelism": int(setting)}
     start = time.perf_counter()
     with build_text_loader(config) as loader:
+        if mode == "resume":
+            saved = torch.load(state_file, weights_only=True)
+            loader.load_state_dict(saved["loader"])
         built = time.perf_counter()
         iterator = iter(loader)
-        next(iterator)
+        batch = next(iterator)
         first = time.perf_counter()
+        if mode == "resume" and _digest(batch) != saved["next"]:
+            raise SystemExit(f"resume@{count}: the first batch is not batch {int(count) + 1} of the uninterrupted run")
         for _ in range(20):
             next(iterator)
         twenty = time.perf_counter()
@@ -106,6 +138,8 @@ def main() -> None:
     parser.add_argument("--settings", default="default,1,2", help="comma-separated tokenize_parallelism values")
     parser.add_argument("--sizes", action="store_true",
                         help="instead: the default setting on a quarter of the stdlib files and on all of them")
+    parser.add_argument("--resume", default=None, metavar="N,M",
+                        help="instead: the first batch of a fresh start against a resume after N (and M...) batches")
     parser.add_argument("--child", nargs=2, metavar=("CORPUS", "SETTING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -127,6 +161,15 @@ def main() -> None:
         corpus = Path(root) / "stdlib"
         documents, size = make_corpus(corpus, args.files)
         print(f"corpus: {documents} stdlib files, {size / 2**20:.1f} MiB of text")
+        if args.resume:
+            counts = [int(n) for n in args.resume.split(",")]
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            for n in counts:  # the states to resume from, saved untimed
+                subprocess.run([sys.executable, __file__, "--child", str(corpus), f"save@{n}"], env=env, check=True)
+            cases = {"fresh": (corpus, "default"), **{f"resume after {n}": (corpus, f"resume@{n}") for n in counts}}
+            medians = _measure(cases, args.repeats)
+            _print("start", medians)
+            return
         medians = _measure({setting: (corpus, setting) for setting in args.settings.split(",")}, args.repeats)
         _print("tokenize_parallelism", medians)
 
