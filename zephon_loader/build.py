@@ -338,7 +338,7 @@ def data_parallel(
     store = ("torch://" if (initialized or launched) and dp_world_size > 1  # type: ignore[operator]
              and configured.aggregate_dir is None and configured.aggregate_store is None else None)
     # Zephon's default run id is derived from the pipeline, which names per-process folders (the
-    # saved tokenizer): ranks would not meet at the first checkpoint. Derive one from the config.
+    # work folder): ranks would not meet at the first checkpoint. Derive one from the config.
     run_id = f"zephon_loader-{_config_digest(cfg)}" if configured.run_id is None and dp_world_size > 1 else None
     # One rank only because nothing (arguments, group, process group, launcher) said otherwise: the loader
     # refuses to run if a process group of several ranks appears later.

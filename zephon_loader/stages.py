@@ -49,7 +49,7 @@ __all__ = ["ImageStage", "Stage", "TextStage", "resolve_processor"]
 class Stage(Protocol):
     """What :func:`~zephon_loader.build.build_loader` asks of a kind of loader (see the module docstring)."""
 
-    #: Prefix of the loader's work folder in the temp dir (drop log, saved tokenizer).
+    #: Prefix of the loader's work folder in the temp dir (drop log).
     work_prefix: str
     #: The loader class this kind builds (a caller's ``loader_class`` must subclass it).
     loader_class: type[ZephonLoader]
