@@ -88,11 +88,14 @@ class PreparedTokenizer:
     """The tokenizer as every epoch's pipeline uses it, loaded once (:func:`prepare_tokenizer`).
 
     Attributes:
-        tokenizer: The loaded, checked tokenizer (``None``: pretokenized without one); in text mode loaded with
-            ``split_special_tokens=True`` and handed to Zephon's ``tokenize`` as is.
+        tokenizer: The loaded, checked tokenizer (``None``: pretokenized without one), loaded with
+            ``split_special_tokens=True``; in text mode handed to Zephon's ``tokenize``.
+        chat_tokenizer: Chat mode: the same folder loaded as Zephon's ``tokenize_chat`` would load it
+            (special tokens recognized: chat templates write them), handed to it; ``None`` otherwise.
     """
 
     tokenizer: Any
+    chat_tokenizer: Any = None
 
 
 def prepare_tokenizer(config: TextLoaderConfig, *,
@@ -106,7 +109,10 @@ def prepare_tokenizer(config: TextLoaderConfig, *,
 
     Args and raises: as :func:`build_pipeline`'s ``config`` and ``tokenizer_dir``.
     """
-    return PreparedTokenizer(_load_tokenizer(config, config.input_mode, tokenizer_dir))
+    tokenizer = _load_tokenizer(config, config.input_mode, tokenizer_dir)
+    if config.input_mode != "chat":
+        return PreparedTokenizer(tokenizer)
+    return PreparedTokenizer(tokenizer, load_tokenizer(Path(tokenizer.name_or_path)))
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,7 @@ def build_pipeline(
     pipeline = zephon.Pipeline(work.source).fetch(max_batch=FETCH_RECORDS_PER_CALL)
     if transform is not None:
         pipeline = pipeline.map_transform(transform)
-    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks)
+    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, prepared, checks)
     pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks)
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
@@ -255,10 +261,11 @@ def _pad_token_id(config: TextLoaderConfig, tokenizer: Any) -> int:
 
 
 def _tokenize(
-    pipeline: Any, config: TextLoaderConfig, mode: str, tokenizer: Any, checks: dict[str, Any],
+    pipeline: Any, config: TextLoaderConfig, mode: str, prepared: PreparedTokenizer, checks: dict[str, Any],
 ) -> tuple[Any, str | None]:
     """Raw-record checks and tokenizing; returns the pipeline and the loss-mask field (chat) or None."""
     tok = config.tokenizer
+    tokenizer = prepared.tokenizer
     parallelism = config.runtime.tokenize_calls()
     if mode == "pretokenized":
         return pipeline, None
@@ -284,8 +291,10 @@ def _tokenize(
         chat["chat_template"] = template if template.lstrip().startswith("{") else str(config.resolve_path(template))
     if tok.chat_loss_scope is not None:
         chat["loss_scope"] = tok.chat_loss_scope
-    pipeline = pipeline.tokenize_chat(tokenizer_id=tokenizer.name_or_path, parallelism=parallelism, placement=placement,
-                                      **chat)
+    # Zephon's operator copies share the loaded chat tokenizer (a fresh load per engine start kept native memory
+    # and tokenized slower epoch after epoch, like a copy: SharedTokenizer).
+    pipeline = pipeline.tokenize_chat(tokenizer=SharedTokenizer(prepared.chat_tokenizer), parallelism=parallelism,
+                                      placement=placement, **chat)
     set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
     return pipeline, ZEPHON_LOSS_MASK_KEY
 
