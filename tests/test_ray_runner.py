@@ -148,3 +148,21 @@ def test_ray_needs_a_tokenize_stage(web):
                            tokenizer={"pretokenized_field": "tokens"}, pad_token_id=0, runtime={"runner": "ray"})
     assert text_loader_config(sources=[{"name": "web", "path": str(web)}], sequence_length=32, micro_batch_size=2,
                               runtime={"runner": "ray"}).runtime.options() == {}
+
+
+@needs_ray
+def test_chat_batches_as_under_threads(chat_source, tokenizer_dir, callers_ray):
+    """The chat tokenizer reaches the actors inside the operator (no folder to share)."""
+    from conftest import CHAT_TEMPLATE
+
+    def config(runtime):
+        return {"sources": [{"name": "chat", "path": str(chat_source)}], "sequence_length": 64,
+                "micro_batch_size": 2, "runtime": runtime,
+                "tokenizer": {"path": str(tokenizer_dir), "chat_field": "messages", "chat_template": CHAT_TEMPLATE}}
+
+    with build_text_loader(config({"runner": "threads"})) as loader:
+        want = collect(loader)
+    with build_text_loader(config(RAY)) as loader:
+        got = collect(loader)
+    assert want
+    assert_same_batches(got, want)
