@@ -379,8 +379,8 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
     else:
         out.update(hf_position_fields(ids, work[F.POSITION_IDS], work[F.PADDING_MASK], work[F.LABELS],
                                       check=not _validated))
-    # The largest id, read once (joined ids are <= 1; collate's ids are nonnegative).
-    high = None if settings.xdoc or not (settings.metadata or ids.numel()) else int(ids.max()) if ids.numel() else 0
+    # The largest id, read once (xdoc's joined ids are <= 1: not needed).
+    high = int(ids.max()) if ids.numel() and not settings.xdoc else 0
     if settings.metadata:
         # collate's ids are a running count of document starts (1 .. n per row) unless eligibility zeroed some.
         contiguous = _validated and F.ATTENTION_ELIGIBILITY not in work
@@ -388,7 +388,7 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
                    else packed_sequence_metadata_of(ids, high, contiguous=contiguous))
     if settings.thd:
         out.update(thd_fields(ids))
-    if settings.metadata or (high is not None and high > 1):
+    if settings.metadata or high > 1:
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():
         if name not in out and name not in _CONSUMED:
