@@ -201,38 +201,3 @@ def test_flush_every_records_is_checked_and_fingerprinted(jsonl_sources, tokeniz
         with pytest.raises(ValueError, match="flush_every_records"):
             loader.load_state_dict(state)
 
-
-def test_chat_epochs_share_one_tokenizer_loaded_as_zephon_would(chat_source, tokenizer_dir, monkeypatch):
-    """Chat mode hands Zephon's tokenize_chat one tokenizer, loaded once as Zephon loaded the folder itself
-    (AutoTokenizer, special tokens recognized), instead of a folder it would load at every engine start."""
-    import transformers
-    from conftest import CHAT_TEMPLATE
-
-    called: set[int] = set()
-    original = transformers.TokenizersBackend.__call__
-
-    def recording(self, *args, **kwargs):
-        called.add(id(self))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.TokenizersBackend, "__call__", recording)
-    config = {"sources": [{"name": "chat", "path": str(chat_source)}], "sequence_length": 64, "micro_batch_size": 2,
-              "tokenizer": {"path": str(tokenizer_dir), "chat_field": "messages", "chat_template": CHAT_TEMPLATE},
-              "runtime": {"runner": "threads", "tokenize_parallelism": 2}}
-    with build_text_loader(config) as loader:
-        passes = [[batch["labels"].tolist() for batch in loader] for _ in range(3)]
-    assert passes[0] and all(len(p) == len(passes[0]) for p in passes)
-    assert len(called) == 1, f"{len(called)} tokenizer objects tokenized 3 chat epochs; expected one"
-
-    from zephon_loader.config import read_loader_config
-
-    prepared = text_pipeline.prepare_tokenizer(read_loader_config(config))
-    zephons = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir), use_fast=True)
-    ours = prepared.chat_tokenizer
-    assert type(ours) is type(zephons) and ours.is_fast
-    messages = [{"role": "user", "content": "hi <|eos|> there"}, {"role": "assistant", "content": "def f(): pass"}]
-    text = "x <|eos|> y"
-    assert ours(text)["input_ids"] == zephons(text)["input_ids"]
-    assert (ours.all_special_ids, len(ours)) == (zephons.all_special_ids, len(zephons))
-    assert ours.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False) == \
-        zephons.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False)

@@ -152,7 +152,7 @@ def test_ray_needs_a_tokenize_stage(web):
 
 @needs_ray
 def test_chat_batches_as_under_threads(chat_source, tokenizer_dir, callers_ray):
-    """The chat tokenizer reaches the actors inside the operator (no folder to share)."""
+    """Chat mode on Ray: the actors load the tokenizer folder themselves; the batches are those of threads."""
     from conftest import CHAT_TEMPLATE
 
     def config(runtime):

@@ -188,8 +188,10 @@ class RuntimeConfig(RunnerOptions):
             and text or chat input. The loader uses the process's Ray
             (``ray.init(address=...)`` before building it; never shut down by the
             loader), else starts a local instance sized to this process's cores
-            and shuts it down when its last loader closes. The tokenizer reaches
-            the actors inside the operator: no shared storage is needed.
+            and shuts it down when its last loader closes. The text tokenizer
+            reaches the actors inside the operator; in chat mode Zephon loads the
+            tokenizer folder on each actor, so on a cluster of several machines it
+            must be readable at the same path on every node.
         tokenize_parallelism: Tokenizing calls Zephon keeps in flight, of 8 records
             each (``None``: from the cores this process may use, half of them,
             1 to 4: 1 on 2 cores). Fewer calls: the first batch waits for fewer

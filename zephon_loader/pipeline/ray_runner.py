@@ -12,9 +12,10 @@ packing and batching stay on the trainer's threads, so:
   (Zephon's checkpoint is taken in the trainer: the actors hold no position);
 * a bad record is refused or logged where it is under threads (the checks and
   the drop log are in the trainer's process, the shard files read there);
-* the tokenizer (text and chat) reaches the actors inside the pickled
-  operator (:class:`~zephon_loader.tokenizing.SharedTokenizer`): on a cluster
-  of several machines no folder needs to be shared.
+* the text tokenizer reaches the actors inside the pickled operator
+  (:class:`~zephon_loader.tokenizing.SharedTokenizer`); in chat mode Zephon
+  loads the tokenizer folder on each actor, so on a cluster of several machines
+  that folder must be readable at the same path on every node.
 
 Ray itself (:func:`acquire`): a loader uses the Ray instance of its process
 when ``ray.is_initialized()`` (the caller's, e.g. ``ray.init(address=...)``,

@@ -89,13 +89,12 @@ class PreparedTokenizer:
 
     Attributes:
         tokenizer: The loaded, checked tokenizer (``None``: pretokenized without one), loaded with
-            ``split_special_tokens=True``; in text mode handed to Zephon's ``tokenize``.
-        chat_tokenizer: Chat mode: the same folder loaded as Zephon's ``tokenize_chat`` would load it
-            (special tokens recognized: chat templates write them), handed to it; ``None`` otherwise.
+            ``split_special_tokens=True``; in text mode handed to Zephon's ``tokenize``. Chat mode hands
+            Zephon the folder (``tokenizer_id``): its chat operator's setup checks switch the tokenizer's
+            truncation on and off, so its copies must not share one tokenizer.
     """
 
     tokenizer: Any
-    chat_tokenizer: Any = None
 
 
 def prepare_tokenizer(config: TextLoaderConfig, *,
@@ -109,10 +108,7 @@ def prepare_tokenizer(config: TextLoaderConfig, *,
 
     Args and raises: as :func:`build_pipeline`'s ``config`` and ``tokenizer_dir``.
     """
-    tokenizer = _load_tokenizer(config, config.input_mode, tokenizer_dir)
-    if config.input_mode != "chat":
-        return PreparedTokenizer(tokenizer)
-    return PreparedTokenizer(tokenizer, load_tokenizer(Path(tokenizer.name_or_path)))
+    return PreparedTokenizer(_load_tokenizer(config, config.input_mode, tokenizer_dir))
 
 
 @dataclass(frozen=True)
@@ -291,9 +287,9 @@ def _tokenize(
         chat["chat_template"] = template if template.lstrip().startswith("{") else str(config.resolve_path(template))
     if tok.chat_loss_scope is not None:
         chat["loss_scope"] = tok.chat_loss_scope
-    # Zephon's operator copies share the loaded chat tokenizer (a fresh load per engine start kept native memory
-    # and tokenized slower epoch after epoch, like a copy: SharedTokenizer).
-    pipeline = pipeline.tokenize_chat(tokenizer=SharedTokenizer(prepared.chat_tokenizer), parallelism=parallelism,
+    # Zephon loads the folder per operator instance: its chat setup checks probe with truncation on, which
+    # would race with another instance's calls on a shared tokenizer (PreparedTokenizer).
+    pipeline = pipeline.tokenize_chat(tokenizer_id=tokenizer.name_or_path, parallelism=parallelism,
                                       placement=placement, **chat)
     set_records_per_call(pipeline, TOKENIZE_RECORDS_PER_CALL)
     return pipeline, ZEPHON_LOSS_MASK_KEY
