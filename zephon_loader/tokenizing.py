@@ -124,10 +124,12 @@ class SharedTokenizer:
     shares its own copy the same way.
 
     Sharing between Zephon's tokenize threads is safe because the backend's truncation and padding are
-    switched off here, once, before any thread calls it: Zephon calls it with ``truncation=False,
-    padding=False``, which transformers would otherwise apply on the first call, from whichever threads
-    race to it; encoding itself only reads the backend. Everything else (``__call__``, attributes, ``len``)
-    is the tokenizer's.
+    switched off here, once, before any thread calls it: Zephon's text operator calls it with
+    ``truncation=False, padding=False`` only (no ``max_length``), which transformers would otherwise
+    apply on the first call, from whichever threads race to it; encoding itself only reads the backend.
+    Not for Zephon's chat operator, whose setup checks call it with ``truncation=True`` (they would
+    switch truncation on under another instance's calls). Everything else (``__call__``, attributes,
+    ``len``) is the tokenizer's.
 
     Args:
         tokenizer: A tokenizer the loader loaded itself (:func:`load_tokenizer`), not a caller's object:
