@@ -102,24 +102,34 @@ def test_the_first_batch_waits_for_fewer_documents_than_zephons_default_call(tok
     assert zephons >= 64 and ours < zephons, f"first batch after {ours} documents with 8 per read call, {zephons} with 64"
 
 
+def _tokenizer_calls(monkeypatch) -> dict:
+    """Records every fast-tokenizer call of this process: ``objects`` (the ids of the tokenizers called) and
+    ``texts`` (how many texts they were given)."""
+    import transformers
+
+    calls = {"objects": set(), "texts": 0}
+    original = transformers.TokenizersBackend.__call__
+
+    def recording(self, *args, **kwargs):
+        texts = args[0] if args else kwargs.get("text")
+        calls["objects"].add(id(self))
+        calls["texts"] += len(texts) if isinstance(texts, list) else 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.TokenizersBackend, "__call__", recording)
+    return calls
+
+
 @pytest.mark.parametrize("runner", ["inline", "threads"])
 def test_every_epoch_tokenizes_with_the_one_loaded_tokenizer(jsonl_sources, tokenizer_dir, monkeypatch, runner):
     """Zephon deep-copies its tokenize operator at each engine start; a copied (or reloaded) fast tokenizer keeps
     native memory and tokenizes slower pass after pass. The copies must share the loaded one."""
-    import transformers
-
-    called: set[int] = set()
-    original = transformers.TokenizersBackend.__call__
-
-    def recording(self, *args, **kwargs):
-        called.add(id(self))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.TokenizersBackend, "__call__", recording)
+    calls = _tokenizer_calls(monkeypatch)
     config = text_config(jsonl_sources["a"], tokenizer_dir, runtime={"runner": runner, "tokenize_parallelism": 2})
     with build_text_loader(config) as loader:
         passes = [[batch["input_ids"].tolist() for batch in loader] for _ in range(3)]
     assert passes[0] and all(len(p) == len(passes[0]) for p in passes)
+    called = calls["objects"]
     assert len(called) == 1, f"{len(called)} tokenizer objects tokenized 3 epochs; expected the one loaded"
 
 
@@ -144,24 +154,10 @@ def test_shared_tokenizer_is_never_copied_and_pickles_whole(tokenizer_dir):
     assert restored([SAMPLE], add_special_tokens=False)["input_ids"] == expected
 
 
-def _texts_tokenized(monkeypatch) -> list[int]:
-    import transformers
-
-    count = [0]
-    original = transformers.TokenizersBackend.__call__
-
-    def counting(self, texts, *args, **kwargs):
-        count[0] += len(texts) if isinstance(texts, list) else 1
-        return original(self, texts, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.TokenizersBackend, "__call__", counting)
-    return count
-
-
 def test_a_resume_re_reads_at_most_the_flush_window(jsonl_sources, tokenizer_dir, monkeypatch):
     """Zephon rebuilds its packing on a restore by re-reading what came since its last flush:
     flush_every_records bounds that (and so the wait for the first resumed batch); the stream stays exact."""
-    count = _texts_tokenized(monkeypatch)
+    calls = _tokenizer_calls(monkeypatch)
     resumed_reads = {}
     for window in (None, 20):
         config = text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=window)
@@ -174,10 +170,10 @@ def test_a_resume_re_reads_at_most_the_flush_window(jsonl_sources, tokenizer_dir
             state = loader.state_dict()
         with build_text_loader(config) as loader:
             loader.load_state_dict(state)
-            count[0] = 0
+            calls["texts"] = 0
             iterator = iter(loader)
             first = next(iterator)
-            resumed_reads[window] = count[0]
+            resumed_reads[window] = calls["texts"]
             rest = [first["input_ids"]] + [batch["input_ids"] for batch in iterator]
         assert all(a.equal(b) for a, b in zip(rest, batches[len(batches) * 3 // 4:], strict=True)), window
     # 100 records in one pass, the state cut after ~75 of them. Before its first batch a resume reads

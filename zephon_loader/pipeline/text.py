@@ -192,7 +192,7 @@ def build_pipeline(
     pipeline = zephon.Pipeline(work.source).fetch(max_batch=FETCH_RECORDS_PER_CALL)
     if transform is not None:
         pipeline = pipeline.map_transform(transform)
-    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, prepared, checks)
+    pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks)
     pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks)
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
@@ -257,11 +257,10 @@ def _pad_token_id(config: TextLoaderConfig, tokenizer: Any) -> int:
 
 
 def _tokenize(
-    pipeline: Any, config: TextLoaderConfig, mode: str, prepared: PreparedTokenizer, checks: dict[str, Any],
+    pipeline: Any, config: TextLoaderConfig, mode: str, tokenizer: Any, checks: dict[str, Any],
 ) -> tuple[Any, str | None]:
     """Raw-record checks and tokenizing; returns the pipeline and the loss-mask field (chat) or None."""
     tok = config.tokenizer
-    tokenizer = prepared.tokenizer
     parallelism = config.runtime.tokenize_calls()
     if mode == "pretokenized":
         return pipeline, None

@@ -317,7 +317,7 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
             raise ValueError(_err("dataloader.flush_every_records", window, f"at least chunk_size={chunk_size}",
                                   "Zephon flushes between whole chunks: raise it, or lower chunk_size "
                                   "(or set chunk_size: null to fit it)."))
-        flush_every_k_chunks = max(1, window // chunk_size)
+        flush_every_k_chunks = window // chunk_size
     else:
         # Every K chunks Zephon flushes packing and batching: the open rows are padded and a short batch
         # is delivered (padded to B by collate). Keep the records between flushes near what its default
