@@ -14,10 +14,13 @@ and all of them; the first batch should not depend on the corpus' size).
 ``--resume 100,300`` compares a fresh start with resuming from a state saved
 after 100 (and 300) batches (saved by an untimed process; the time counts
 from the build, ``load_state_dict`` included, and the resumed first batch is
-checked to be the uninterrupted run's next one).
+checked to be the uninterrupted run's next one). ``--endless`` makes the stream
+endless (``passes: null``, training by steps) and, with ``--resume``, also
+resumes under ``flush_every_records: 0`` (Zephon's unshortened flush cadence,
+the default before the window was sized from the batch) to compare the waits.
 
     python benchmarks/bench_first_batch.py [--files 600] [--repeats 3] [--settings default,1,2] [--sizes]
-                                           [--resume N,M]
+                                           [--resume N,M] [--endless]
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def child(corpus: Path, setting: str) -> None:
 
     ``setting``: a ``tokenize_parallelism`` value or ``default``; ``save@N`` (untimed) iterates N batches, saves
     the state and the digest of batch N + 1 beside the corpus; ``resume@N`` builds, loads that state, times the
-    first batch and checks that it is batch N + 1.
+    first batch and checks that it is batch N + 1. Suffixes: ``+endless`` (``passes: null``), ``+zephon``
+    (``flush_every_records: 0``; its states are saved apart).
     """
     import transformers  # noqa: F401 - loaded before the timed part, as in a training script
 
@@ -82,8 +86,13 @@ def child(corpus: Path, setting: str) -> None:
         "micro_batch_size": 8,
         "packing": {"algorithm": "wrap"},
     }
+    setting, *suffixes = setting.split("+")
+    if "endless" in suffixes:
+        config["passes"] = None
+    if "zephon" in suffixes:
+        config["flush_every_records"] = 0
     mode, _, count = setting.partition("@")
-    state_file = corpus.parent / f"state-{count}.pt"
+    state_file = corpus.parent / f"state-{count}{''.join('+' + s for s in suffixes)}.pt"
     if mode == "save":
         with build_text_loader(config) as loader:
             iterator = iter(loader)
@@ -125,9 +134,9 @@ def _measure(cases: dict[str, tuple[Path, str]], repeats: int) -> dict[str, dict
 
 
 def _print(label: str, medians: dict[str, dict[str, float]]) -> None:
-    print(f"{label:>22} {'build s':>8} {'first batch s':>14} {'next 20 s':>10} {'peak RSS MiB':>13}")
+    print(f"{label:>30} {'build s':>8} {'first batch s':>14} {'next 20 s':>10} {'peak RSS MiB':>13}")
     for name, med in medians.items():
-        print(f"{name:>22} {med['build_s']:>8.2f} {med['first_batch_s']:>14.2f} {med['next_20_s']:>10.2f} "
+        print(f"{name:>30} {med['build_s']:>8.2f} {med['first_batch_s']:>14.2f} {med['next_20_s']:>10.2f} "
               f"{med['peak_rss_mib']:>13.0f}")
 
 
@@ -140,6 +149,8 @@ def main() -> None:
                         help="instead: the default setting on a quarter of the stdlib files and on all of them")
     parser.add_argument("--resume", default=None, metavar="N,M",
                         help="instead: the first batch of a fresh start against a resume after N (and M...) batches")
+    parser.add_argument("--endless", action="store_true",
+                        help="passes: null; with --resume also resume under flush_every_records: 0 (Zephon's cadence)")
     parser.add_argument("--child", nargs=2, metavar=("CORPUS", "SETTING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -164,9 +175,16 @@ def main() -> None:
         if args.resume:
             counts = [int(n) for n in args.resume.split(",")]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            variants = {"": ""}
+            if args.endless:
+                variants = {"": "+endless", ", cadence 0": "+endless+zephon"}
             for n in counts:  # the states to resume from, saved untimed
-                subprocess.run([sys.executable, __file__, "--child", str(corpus), f"save@{n}"], env=env, check=True)
-            cases = {"fresh": (corpus, "default"), **{f"resume after {n}": (corpus, f"resume@{n}") for n in counts}}
+                for suffix in variants.values():
+                    subprocess.run([sys.executable, __file__, "--child", str(corpus), f"save@{n}{suffix}"], env=env,
+                                   check=True)
+            cases = {"fresh": (corpus, "default" + variants[""]),
+                     **{f"resume after {n}{label}": (corpus, f"resume@{n}{suffix}")
+                        for n in counts for label, suffix in variants.items()}}
             medians = _measure(cases, args.repeats)
             _print("start", medians)
             return

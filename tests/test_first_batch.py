@@ -154,6 +154,27 @@ def test_shared_tokenizer_is_never_copied_and_pickles_whole(tokenizer_dir):
     assert restored([SAMPLE], add_special_tokens=False)["input_ids"] == expected
 
 
+def _records_a_resume_re_reads(config: dict, calls: dict) -> tuple[int, dict]:
+    """Records tokenized before the first batch of a resume from 3/4 of the pass (checked to continue the
+    uninterrupted pass exactly), and the state's fingerprint."""
+    with build_text_loader(config) as loader:
+        batches = [batch["input_ids"] for batch in loader]
+    with build_text_loader(config) as loader:
+        iterator = iter(loader)
+        for _ in range(len(batches) * 3 // 4):
+            next(iterator)
+        state = loader.state_dict()
+    with build_text_loader(config) as loader:
+        loader.load_state_dict(state)
+        calls["texts"] = 0
+        iterator = iter(loader)
+        first = next(iterator)
+        reads = calls["texts"]
+        rest = [first["input_ids"]] + [batch["input_ids"] for batch in iterator]
+    assert all(a.equal(b) for a, b in zip(rest, batches[len(batches) * 3 // 4:], strict=True)), config
+    return reads, state["fingerprint"]
+
+
 def test_a_resume_re_reads_at_most_the_flush_window(jsonl_sources, tokenizer_dir, monkeypatch):
     """Zephon rebuilds its packing on a restore by re-reading what came since its last flush:
     flush_every_records bounds that (and so the wait for the first resumed batch); the stream stays exact."""
@@ -161,21 +182,9 @@ def test_a_resume_re_reads_at_most_the_flush_window(jsonl_sources, tokenizer_dir
     resumed_reads = {}
     for window in (None, 20):
         config = text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=window)
-        with build_text_loader(config) as loader:
-            batches = [batch["input_ids"] for batch in loader]
-        with build_text_loader(config) as loader:
-            iterator = iter(loader)
-            for _ in range(len(batches) * 3 // 4):
-                next(iterator)
-            state = loader.state_dict()
-        with build_text_loader(config) as loader:
-            loader.load_state_dict(state)
-            calls["texts"] = 0
-            iterator = iter(loader)
-            first = next(iterator)
-            resumed_reads[window] = calls["texts"]
-            rest = [first["input_ids"]] + [batch["input_ids"] for batch in iterator]
-        assert all(a.equal(b) for a, b in zip(rest, batches[len(batches) * 3 // 4:], strict=True)), window
+        resumed_reads[window], fingerprint = _records_a_resume_re_reads(config, calls)
+        # This pass (100 records) is shorter than the default window: it is not shortened, nothing fingerprinted.
+        assert "flush_window" not in fingerprint
     # 100 records in one pass, the state cut after ~75 of them. Before its first batch a resume reads
     # what Zephon re-reads plus what it reads ahead (at most the ~25 left). Without a window Zephon
     # re-reads from the pass' start; with 20, the chunks in flight since its last flush (at most two
@@ -184,12 +193,89 @@ def test_a_resume_re_reads_at_most_the_flush_window(jsonl_sources, tokenizer_dir
     assert resumed_reads[20] <= 2 * 20 + 25 + 8 < 75, resumed_reads
 
 
+def test_the_default_window_is_shortened_to_the_batch_when_an_epoch_is_longer(jsonl_sources, tokenizer_dir,
+                                                                            monkeypatch):
+    """Unset flush_every_records flushes at least every DEFAULT_FLUSH_WINDOW_BATCHES batches of shard bytes
+    (one token a byte) once an epoch is longer: a resume re-reads that much at most, exactly; the window is
+    fingerprinted, and a state of Zephon's unshortened cadence is refused with the way to resume it."""
+    from zephon_loader.pipeline import work_source
+
+    calls = _tokenizer_calls(monkeypatch)
+    files = sorted(p for p in jsonl_sources["a"].iterdir() if p.suffix == ".jsonl")
+    mean_bytes = sum(p.stat().st_size for p in files) / 100
+    batches = 20 * mean_bytes / (2 * 33)  # B=2 rows of S+1=33 tokens: a window of about 20 records
+    monkeypatch.setattr(work_source, "DEFAULT_FLUSH_WINDOW_BATCHES", round(batches))
+    window = int(round(batches) * 2 * 33 // mean_bytes)
+    assert 15 <= window <= 25
+
+    reads, fingerprint = _records_a_resume_re_reads(text_config(jsonl_sources["a"], tokenizer_dir), calls)
+    assert fingerprint["flush_window"] <= window and reads <= 2 * window + 25 + 8 < 75, (fingerprint, reads)
+
+    # flush_every_records: 0 is Zephon's cadence (the default before): the whole pass, no key, re-read from the start.
+    legacy = text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=0)
+    legacy_reads, legacy_fingerprint = _records_a_resume_re_reads(legacy, calls)
+    assert legacy_reads >= 75 and "flush_window" not in legacy_fingerprint
+    with build_text_loader(legacy) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state, expected = loader.state_dict(), next(iterator)["input_ids"]
+    with build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir)) as loader:
+        with pytest.raises(ValueError, match=r"flush_window: this loader flushes every \d+ records per lane .*"
+                                             r"set flush_every_records: 0 to resume it"):
+            loader.load_state_dict(state)
+    with build_text_loader(legacy) as loader:
+        loader.load_state_dict(state)
+        assert next(iter(loader))["input_ids"].equal(expected)
+
+
+def test_the_default_window_counts_each_source_at_its_share(jsonl_sources, tokenizer_dir, monkeypatch):
+    from zephon_loader.config import text_loader_config
+    from zephon_loader.pipeline import work_source
+
+    def config(**extra):
+        return text_loader_config(
+            sources=[{"name": "a", "path": str(jsonl_sources["a"]), "weight": 3.0},
+                     {"name": "b", "path": str(jsonl_sources["b"]), "weight": 1.0}],
+            tokenizer={"path": str(tokenizer_dir)}, sequence_length=32, micro_batch_size=2, **extra)
+
+    opened = work_source.open_sources(config())
+    mean = [sum(int(i[0]) for i in files.identities) / count for files, count in zip(opened.files, opened.counts)]
+    assert mean[0] != mean[1]
+    expected = int(work_source.DEFAULT_FLUSH_WINDOW_BATCHES * 2 * 33 // (0.75 * mean[0] + 0.25 * mean[1]))
+    assert work_source.default_flush_window(opened, [3.0, 1.0], 2, 33) == expected
+
+    def work(**extra):
+        return work_source.build_work_source(config(**extra), lanes=1, sources=opened, batch_shape=(2, 33))
+
+    def cap_at(records):  # the constant that makes the default window about `records`
+        monkeypatch.setattr(work_source, "DEFAULT_FLUSH_WINDOW_BATCHES",
+                            round(records * (0.75 * mean[0] + 0.25 * mean[1]) / 66))
+        return work_source.default_flush_window(opened, [3.0, 1.0], 2, 33)
+
+    epoch = 400  # a pass ends when 'b' (share 1/4, 100 records) was read whole
+    assert cap_at(2 * epoch) > epoch and work().flush_window is None  # never reached: Zephon's cadence
+    endless = work(passes=None)  # no epoch end: shortened
+    assert endless.flush_window is not None and endless.flush_window <= cap_at(2 * epoch)
+    assert endless.flush_window == endless.chunk_size * endless.flush_every_k_chunks
+    cap = cap_at(epoch // 4)
+    short = work()
+    assert short.flush_window is not None and short.chunk_size <= short.flush_window <= cap < epoch, (short, cap)
+    assert work(flush_every_records=0).flush_window is None  # Zephon's cadence, never shortened
+    # An explicit chunk size is kept: whole chunks between flushes, one when a chunk is larger than the window.
+    alone = text_loader_config(sources=[{"name": "a", "path": str(jsonl_sources["a"])}], chunk_size=25,
+                               tokenizer={"path": str(tokenizer_dir)}, sequence_length=32, micro_batch_size=2)
+    for records, chunks in ((60, 2), (10, 1)):
+        monkeypatch.setattr(work_source, "DEFAULT_FLUSH_WINDOW_BATCHES", round(records * mean[0] / 66))
+        kept = work_source.build_work_source(alone, lanes=1, batch_shape=(2, 33))
+        assert (kept.chunk_size, kept.flush_every_k_chunks, kept.flush_window) == (25, chunks, 25 * chunks), kept
+
+
 def test_flush_every_records_is_checked_and_fingerprinted(jsonl_sources, tokenizer_dir):
     config = text_config(jsonl_sources["a"], tokenizer_dir, chunk_size=25, flush_every_records=10)
     with pytest.raises(ValueError, match=r"dataloader.flush_every_records: got 10, expected at least chunk_size=25"):
         build_text_loader(config)
-    with pytest.raises(ValueError, match=r"dataloader.flush_every_records: got 0, expected an int > 0 or null"):
-        build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=0))
+    with pytest.raises(ValueError, match=r"dataloader.flush_every_records: got -1, expected an int > 0, 0 "):
+        build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=-1))
     with build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir, flush_every_records=20)) as loader:
         next(iter(loader))
         state = loader.state_dict()

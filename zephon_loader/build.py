@@ -269,8 +269,10 @@ def stream_fingerprint(
     order, contract), then the builder's own (``specific``: tokenizer, processor,
     packing, label masking, ...). Shard contents, not paths: a run may resume
     where the data is mounted elsewhere (:mod:`zephon_loader.fingerprint`).
-    ``mixture``, ``passes`` and ``flush_every_records`` are named only when not their defaults, so
-    states saved before those keys existed still load.
+    ``mixture``, ``passes`` and ``flush_every_records`` are named only when not their defaults
+    (``flush_every_records: 0``, Zephon's cadence, counts as its default: the stream states saved
+    before the default window was shortened were saved with), so states saved before those keys
+    existed still load.
     """
     fingerprint = {
         "sources": [[source.name, source.weight] for source in cfg.sources],
@@ -285,8 +287,8 @@ def stream_fingerprint(
         "xdoc": cfg.xdoc,
         **specific,
     }
-    for key, default in (("mixture", "repeat"), ("passes", 1), ("flush_every_records", None)):
-        if getattr(cfg, key) != default:
+    for key, defaults in (("mixture", ("repeat",)), ("passes", (1,)), ("flush_every_records", (None, 0))):
+        if getattr(cfg, key) not in defaults:
             fingerprint[key] = getattr(cfg, key)
     return fingerprint
 

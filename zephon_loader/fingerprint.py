@@ -55,6 +55,10 @@ def describe_difference(key: str, saved: Any, now: Any) -> str:
             more = f", and {len(changes) - 3} more of {len(after)}" if len(changes) > 3 else ""
             parts.append(f"source {source!r}: {', '.join(changes[:3])}{more}")
         return "shards: " + "; ".join(parts)
+    if key == "flush_window" and saved is None:
+        return (f"flush_window: this loader flushes every {now} records per lane (the default window, shortened so "
+                "a resume re-reads less), the state was saved with Zephon's unshortened cadence (the default before "
+                "it); set flush_every_records: 0 to resume it")
     return f"{key}: saved {_cut(saved)}, now {_cut(now)}"
 
 

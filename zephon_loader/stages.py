@@ -166,6 +166,8 @@ class TextStage:
             "packing": [cfg.packing.algorithm, cfg.packing.num_bins, built.pad_token_id],
             "eligibility_field": cfg.eligibility_field,
             "label_masking": [cfg.labels_mask_cross_document, cfg.eos_mask_loss, cfg.eos_token_id],
+            # Only when the default flush window was shortened: states of the unshortened stream still load.
+            **({"flush_window": built.flush_window} if built.flush_window is not None else {}),
         }
 
     def drop_reasons(self) -> dict[str, str] | None:

@@ -332,8 +332,10 @@ class LoaderConfig:
             resume re-reads and re-tokenizes what came since the last flush (Zephon rebuilds its
             packing that way), so this bounds a resume's wait for its first batch; each flush pads
             the open rows and delivers a short batch (padded to ``micro_batch_size``). ``None``
-            (default): Zephon's cadence at the largest chunk size, 8 chunks of up to 16,384 records
-            (the whole pass on small corpora): the least padding (README, "Resume").
+            (default): Zephon's cadence at the largest chunk size, 8 chunks of up to 16,384 records,
+            for text shortened to about 1,024 batches of shard bytes (one token a byte) when an epoch
+            is longer (README, "Resume"). ``0``: Zephon's cadence, never shortened (resumes a state
+            saved before that default).
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
         block_mask_budget_bytes: Largest block-causal ``[B, 1, S, S]`` mask allowed.
@@ -415,7 +417,6 @@ class LoaderConfig:
         return {
             "sequence_length": self.sequence_length, "micro_batch_size": self.micro_batch_size,
             "block_mask_budget_bytes": self.block_mask_budget_bytes, "chunk_size": self.chunk_size,
-            "flush_every_records": self.flush_every_records,
             "max_record_tokens": self.max_record_tokens,
             "packing.num_bins": self.packing.num_bins,  # type: ignore[attr-defined]
             **{f"runtime.{f.name}": getattr(runtime, f.name) for f in dataclasses.fields(runtime)
@@ -438,6 +439,9 @@ class LoaderConfig:
             raise ValueError(f"dataloader.seed: got {self.seed}, expected an int >= 0")
         if self.read_ahead < 0:
             raise ValueError(f"dataloader.read_ahead: got {self.read_ahead}, expected an int >= 0")
+        if self.flush_every_records is not None and self.flush_every_records < 0:
+            raise ValueError(f"dataloader.flush_every_records: got {self.flush_every_records}, expected an int > 0, "
+                             "0 (Zephon's cadence, never shortened) or null (the default)")
 
     def _check_batch_size(self) -> None:
         """Refuse a batch no machine holds (``10**9`` tokens failed only at the first batch, in the allocator).

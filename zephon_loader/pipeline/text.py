@@ -123,6 +123,8 @@ class BuiltPipeline:
         drop_log: Where the record checks log what ``on_bad_record: skip`` left out.
         sources: The shard files read (an epoch's pipeline is built over the same: ``sources=``).
         prepared: The tokenizer loaded and saved for it (an epoch's pipeline reuses it: ``prepared=``).
+        flush_window: Records per lane between Zephon's flushes when the default cadence was shortened
+            (:func:`~zephon_loader.pipeline.work_source.default_flush_window`; fingerprinted), else ``None``.
     """
 
     pipeline: Any
@@ -132,6 +134,7 @@ class BuiltPipeline:
     drop_log: DropLog
     sources: OpenedSources
     prepared: PreparedTokenizer | None = None
+    flush_window: int | None = None
 
 
 def build_pipeline(
@@ -185,7 +188,9 @@ def build_pipeline(
     pad_token_id = _pad_token_id(config, tokenizer)
     dist = config.distributed
     lanes = dist.canonical_replicas or dp.size
-    work = build_work_source(config, lanes=lanes, seed=seed, sources=sources)
+    # batch_shape: a resume re-reads what came since the last flush, at the default about 1024 batches of bytes at most.
+    work = build_work_source(config, lanes=lanes, seed=seed, sources=sources,
+                             batch_shape=(config.micro_batch_size, config.sequence_length + 1))
     drop_log = DropLog(os.path.join(work_dir, DROP_LOG_NAME))
     checks = {"shards": work.shards, "policy": config.on_bad_record, "log": drop_log}
 
@@ -198,7 +203,7 @@ def build_pipeline(
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
     return BuiltPipeline(pipeline, work.shards, pad_token_id,
                          Path(tokenizer.name_or_path) if tokenizer is not None else None, drop_log, work.opened,
-                         prepared)
+                         prepared, work.flush_window)
 
 
 # ----------------------------------------------------------------------------- stages

@@ -29,16 +29,18 @@ from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.object_store import is_url, store_failure
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
 from zephon_loader.pipeline.shards import SourceFiles, check_distinct
-from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length
+from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length, pass_records
 
 __all__ = [
     "CHUNKS_PER_LANE",
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_FLUSH_WINDOW_BATCHES",
     "MAX_FLUSH_EVERY_K_CHUNKS",
     "OpenedSources",
     "WorkSource",
     "build_work_source",
     "choose_chunk_size",
+    "default_flush_window",
     "lane_options",
     "open_sources",
 ]
@@ -64,6 +66,10 @@ ZEPHON_FLUSH_EVERY_K_CHUNKS = 8
 #: saved in the checkpoint (about 170 bytes each: 1.4 MB and ~0.1 s per state at chunk size 1,
 #: like Zephon's default 8 chunks of 16384 records) and replayed on restore.
 MAX_FLUSH_EVERY_K_CHUNKS = 8192
+#: At the default ``flush_every_records`` a lane flushes at least every this many batches' worth of shard
+#: bytes (:func:`default_flush_window`): a resume re-reads at most that much, each flush costs about half a
+#: batch of padding.
+DEFAULT_FLUSH_WINDOW_BATCHES = 1024
 
 
 def _largest_servable_chunk_size(counts: Sequence[int], shares: Sequence[float], upper: int) -> int:
@@ -180,12 +186,16 @@ class WorkSource:
         chunk_size: Records per work chunk (whole passes guaranteed).
         flush_every_k_chunks: Zephon's flush cadence for that chunk size.
         opened: The shard files it reads (the next epoch's work source reads the same).
+        flush_window: Records per lane between flushes when the default cadence was shortened
+            (:func:`default_flush_window`); ``None`` when it was not (Zephon's cadence, or
+            ``flush_every_records`` as configured).
     """
 
     source: Any
     chunk_size: int
     flush_every_k_chunks: int
     opened: "OpenedSources"
+    flush_window: int | None = None
 
     @property
     def shards(self) -> ShardTable:
@@ -280,8 +290,35 @@ def _discover(zephon: Any, files: SourceFiles) -> Any:
         raise ValueError(store_failure(files.where, files.folder, error, "counting the records of")) from None
 
 
+def default_flush_window(opened: OpenedSources, weights: Sequence[float], rows: int, row_tokens: int) -> int:
+    """Records per lane between flushes at the default ``flush_every_records``: as many as hold
+    :data:`DEFAULT_FLUSH_WINDOW_BATCHES` batches of ``rows x row_tokens`` tokens, counting one token per
+    shard byte.
+
+    A token covers at least one byte of text for every tokenizer (special tokens aside), so the
+    tokens between two flushes, which a resume re-reads, are at most that many batches; a BPE
+    tokenizer on English or code (about 3-4 bytes a token) flushes every ~250-350 batches. The
+    mean bytes per record is the mixture's (each source's stored bytes over its records, weighted
+    by its share); compressed shards hold more tokens per byte. Deterministic from what the
+    fingerprint holds (shard sizes, record counts, weights, shapes).
+
+    Args:
+        opened: The opened sources (their shard sizes and record counts).
+        weights: Each source's mixture weight.
+        rows: Rows per batch ``B``.
+        row_tokens: Tokens per packed row (``S + 1`` for text).
+
+    Returns:
+        At least 1.
+    """
+    mean_bytes = sum(share * sum(int(identity[0]) for identity in files.identities) / max(count, 1)
+                     for share, files, count in zip(_shares(weights), opened.files, opened.counts, strict=True))
+    return max(1, int(DEFAULT_FLUSH_WINDOW_BATCHES * rows * row_tokens // max(mean_bytes, 1.0)))
+
+
 def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = None,
-                      sources: OpenedSources | None = None) -> WorkSource:
+                      sources: OpenedSources | None = None,
+                      batch_shape: tuple[int, int] | None = None) -> WorkSource:
     """The mixture of the configured shard folders, read in whole passes (``config.mixture``).
 
     Args:
@@ -289,6 +326,9 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
         lanes: Zephon's canonical lane count (chunks are dealt to lanes whole).
         seed: Overrides ``config.seed`` (e.g. an epoch's seed).
         sources: What :func:`open_sources` found at the build (checked unchanged); ``None`` opens them now.
+        batch_shape: ``(rows, tokens per row)`` of the batches packed from these records: with
+            ``flush_every_records`` unset, the records between flushes are capped at
+            :func:`default_flush_window` of it. ``None``: Zephon's cadence (8 chunks of the largest size).
 
     Raises:
         ValueError: A missing/empty/mixed folder, shards changed since ``sources`` was made, or an explicit
@@ -305,7 +345,10 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
     counts = list(sources.counts)
     weights = [source.weight for source in config.sources]
     once = config.mixture == "once"
-    window = config.flush_every_records
+    window = config.flush_every_records or None  # 0: Zephon's cadence, never shortened
+    flush_cap = None
+    if config.flush_every_records is None and batch_shape is not None:
+        flush_cap = default_flush_window(sources, weights, *batch_shape)
     if once:  # every record exactly once: Zephon clamps a running-out source's quota, no pass is cut short
         upper = _lane_cap(min(DEFAULT_CHUNK_SIZE, sum(counts)), counts, lanes)
         chunk_size = config.chunk_size or (upper if window is None else min(upper, window))
@@ -324,6 +367,15 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
         # K gives at the largest size the data allows, so small chunk sizes do not flush every few records.
         flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS, max(ZEPHON_FLUSH_EVERY_K_CHUNKS,
                                                                  -(-ZEPHON_FLUSH_EVERY_K_CHUNKS * upper // chunk_size)))
+    capped = None
+    if (flush_cap is not None and flush_every_k_chunks * chunk_size > flush_cap
+            and _run_records_per_lane(counts, weights, once, config.passes, lanes) > flush_cap):
+        # A resume re-reads up to one window: shorten it to the cap, in whole chunks (smaller ones when the
+        # chunk size is ours to choose and one chunk would exceed it).
+        if config.chunk_size is None and chunk_size > flush_cap:
+            chunk_size = min(upper, flush_cap) if once else choose_chunk_size(counts, weights, upper=flush_cap)
+        flush_every_k_chunks = min(MAX_FLUSH_EVERY_K_CHUNKS, max(1, flush_cap // chunk_size))
+        capped = flush_every_k_chunks * chunk_size
     source = zephon.StaticMixtureWorkSource(
         list(sources.datasets),
         zephon.MixtureSpec(dict(zip(names, weights, strict=True))),
@@ -335,7 +387,19 @@ def build_work_source(config: LoaderConfig, *, lanes: int, seed: int | None = No
         # repeat: every source repeats until the slowest was read whole `passes` times (None: endless).
         **_pass_policy(once, config.passes),
     )
-    return WorkSource(source, chunk_size, flush_every_k_chunks, sources)
+    return WorkSource(source, chunk_size, flush_every_k_chunks, sources, capped)
+
+
+def _run_records_per_lane(counts: Sequence[int], weights: Sequence[float], once: bool, passes: int | None,
+                          lanes: int) -> float:
+    """About how many records one lane reads in one epoch (``inf`` when endless): a flush window at least
+    that long never flushes before the epoch's own flush, so shortening it would change nothing a resume
+    re-reads (and would refuse states of the same stream)."""
+    if once:
+        return sum(counts) / lanes
+    if passes is None:
+        return math.inf
+    return pass_records(counts, _shares(weights)) * passes / lanes
 
 
 def _pass_policy(once: bool, passes: int | None) -> dict[str, Any]:
