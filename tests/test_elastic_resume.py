@@ -58,6 +58,10 @@ def _rank(task: dict) -> None:
 
         # Anchors every 2 pulls only: states are an older checkpoint plus per-lane batches to drop.
         ReadAhead.ANCHOR_COST_RATIO, ReadAhead.ANCHOR_MAX_PULLS = 10**9, 2
+        if task.get("window_batches"):  # the default flush window shortened to a few records (flushes mid-pass)
+            from zephon_loader.pipeline import work_source
+
+            work_source.DEFAULT_FLUSH_WINDOW_BATCHES = task["window_batches"]
 
         results = {}
         for read_ahead in READ_AHEADS:
@@ -104,10 +108,16 @@ def sources(jsonl_sources):
     return [{"name": name, "path": str(path), "weight": 1.0} for name, path in sorted(jsonl_sources.items())]
 
 
-def test_state_resumes_at_another_dp_size_with_nothing_lost_or_repeated(tmp_path, sources, tokenizer_dir):
+@pytest.mark.parametrize("shortened", [False, True], ids=["zephon-cadence", "shortened-window"])
+def test_state_resumes_at_another_dp_size_with_nothing_lost_or_repeated(tmp_path, sources, tokenizer_dir,
+                                                                         shortened):
     aggregate = tmp_path / "aggregate"
     aggregate.mkdir()
     common = {"sources": sources, "tokenizer": str(tokenizer_dir), "aggregate": str(aggregate)}
+    if shortened:  # a default window of about 12 records per lane (of the pass' 100): Zephon flushes mid-pass
+        files = [f for source in sources for f in Path(source["path"]).iterdir() if f.suffix == ".jsonl"]
+        mean_bytes = sum(f.stat().st_size for f in files) / 200
+        common["window_batches"] = max(1, round(12 * mean_bytes / (3 * 49)))
 
     def task(name: str, run: str, rank: int, world: int, state: Path | None = None) -> dict:
         return {**common, "out": str(tmp_path / f"{name}.json"), "run": run, "rank": rank, "world": world,
@@ -125,6 +135,8 @@ def test_state_resumes_at_another_dp_size_with_nothing_lost_or_repeated(tmp_path
     for read_ahead in READ_AHEADS:
         for run in (two_0, two_1, one):
             assert run[read_ahead]["rest"], "nothing left after the state: the test would prove nothing"
+            window = run[read_ahead]["state"]["fingerprint"].get("flush_window")
+            assert (window is not None and window < 50) if shortened else window is None, window
             assert "buffered" not in run[read_ahead]["state"], "no batch travels in a state"
         assert two_0[read_ahead]["state"] == two_1[read_ahead]["state"], "every rank's state is the same"
         # 2 -> 1: the single new rank owns both lanes; it reads old rank 0's state only.
