@@ -311,7 +311,7 @@ def test_elastic_resume_on_s3_is_exact(s3, tmp_path, jsonl_sources, tokenizer_di
     sources = [{"name": name, "path": s3.upload(path, "elastic", name), "weight": 1.0}
                for name, path in sorted(jsonl_sources.items())]
     test_elastic_resume.test_state_resumes_at_another_dp_size_with_nothing_lost_or_repeated(
-        tmp_path, sources, tokenizer_dir)
+        tmp_path, sources, tokenizer_dir, shortened=False)
 
 
 def test_the_process_runner_reads_s3_too(s3, tmp_path, corpus_texts, tokenizer_dir):
