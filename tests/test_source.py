@@ -322,6 +322,21 @@ def test_state_after_restore_before_next_is_the_restored_state(jsonl_sources, to
     assert run_all(third) == full[4:]
 
 
+def test_a_bad_initial_state_is_refused_with_the_loader_states_wording(jsonl_sources, tokenizer_dir):
+    """The node checks epoch, skip and carried links with the functions the loader's state uses (one place)."""
+    source = ZephonSource(text_pipeline(jsonl_sources, tokenizer_dir))
+    state = json.loads(json.dumps(source.state_dict()))
+    for change, match in (
+        ({"skip": {"0": -2}}, r"initial_state\.skip\['0'\]: got -2, expected an int >= 0"),
+        ({"skip": {"lane": 1}}, r"initial_state\.skip: got lane 'lane', expected a lane id"),
+        ({"epoch": True}, r"initial_state\.epoch: got True, expected an int >= 0"),
+        ({"carried": [{"epoch": 0}]}, r"initial_state\.carried\[0\]: got keys \['epoch'\], expected"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            source.reset({**state, **change})
+    source.close()
+
+
 def test_close_stops_workers(jsonl_sources, tokenizer_dir):
     baseline_threads = wait_for_threads(threading.active_count())
     baseline_children = len(multiprocessing.active_children())

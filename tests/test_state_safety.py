@@ -158,7 +158,12 @@ def test_retired_malformed_and_other_lane_count_states_are_refused(sources, toke
     refused(lambda s: s.update(carry=[{"epoch": 0}]), r"state_dict\.carry\[0\]: got .*expected \{'epoch'")
     refused(lambda s: s.update(carried=[{"epoch": 0, "zephon_checkpoint": {"version": 2}, "skip": {}}]),
             r"state_dict\.carried\[0\]: the Zephon checkpoint inside is corrupt")
-    refused(lambda s: s.update(skip={"9": 1}), r"state_dict\.skip: lane '9', expected a lane id in \[0, 2\)")
+    refused(lambda s: s.update(skip={"9": 1}), r"state_dict\.skip: got lane '9', expected a lane id in \[0, 2\)")
+    refused(lambda s: s.update(skip={"0": -1}), r"state_dict\.skip\['0'\]: got -1, expected an int >= 0")
+    refused(lambda s: s.update(carry=[{"epoch": -1, "zephon_checkpoint": None, "skip": {}}]),
+            r"state_dict\.carry\[0\]\.epoch: got -1, expected an int >= 0")
+    refused(lambda s: s.update(carried=[{"epoch": 0, "zephon_checkpoint": None, "skip": {"0": "x"}}]),
+            r"state_dict\.carried\[0\]\.skip\['0'\]: got 'x', expected an int >= 0")
     # The fingerprint names canonical_replicas too; the Zephon checkpoint itself is checked as well.
     with build_text_loader(config(sources, tokenizer_dir, 2)) as one_lane:
         other = json.loads(json.dumps(state))

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from zephon_loader.fingerprint import describe_difference
+from zephon_loader.nodes.source import checked_epoch, checked_link, checked_skip
 from zephon_loader.stats import LoaderStats
 
 __all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum",
@@ -205,22 +206,12 @@ class LoaderState:
                 "Zephon cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
                 f"{saved_lanes} (any DP size that divides it)"
             )
-        epoch = state.get("epoch", 0)
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"state_dict.epoch: got {epoch!r}, expected an int >= 0 (the epoch the state was saved in)")
+        epoch = checked_epoch(state.get("epoch", 0), "state_dict.epoch")
         pass_ended = state.get("pass_ended", False)
         if not isinstance(pass_ended, bool):
             raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
                              "was read to its end)")
-        skip = state.get("skip", {})
-        if not isinstance(skip, Mapping):
-            raise ValueError(f"state_dict.skip: got {type(skip).__name__}, expected {{'<lane>': int >= 0}} (batches "
-                             "of each lane already delivered after the checkpoint)")
-        for lane, count in skip.items():
-            if not (isinstance(lane, str) and lane.isdigit() and int(lane) < canonical_replicas):
-                raise ValueError(f"state_dict.skip: lane {lane!r}, expected a lane id in [0, {canonical_replicas})")
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ValueError(f"state_dict.skip[{lane!r}]: got {count!r}, expected an int >= 0")
+        skip = checked_skip(state.get("skip", {}), "state_dict.skip", canonical_replicas)
         chains = {}
         for key in ("carried", "carry"):
             links = state.get(key, [])
@@ -229,8 +220,7 @@ class LoaderState:
                                  "{'epoch', 'zephon_checkpoint', 'skip'} (empty when nothing was carried)")
             for index, link in enumerate(links):
                 where = f"state_dict.{key}[{index}]"
-                if not isinstance(link, Mapping) or set(link) != {"epoch", "zephon_checkpoint", "skip"}:
-                    raise ValueError(f"{where}: got {link!r:.80}, expected {{'epoch', 'zephon_checkpoint', 'skip'}}")
+                checked_link(link, where)
                 try:
                     if link["zephon_checkpoint"] is not None:
                         check_checkpoint(link["zephon_checkpoint"])
@@ -244,7 +234,7 @@ class LoaderState:
             epoch=epoch,
             pass_ended=pass_ended,
             zephon_checkpoint=copy.deepcopy(dict(checkpoint)) if checkpoint is not None else None,
-            skip=dict(skip),
+            skip=skip,
             carried=chains["carried"],
             carry=chains["carry"],
             stats=_checked_stats(state.get("stats"), stats),

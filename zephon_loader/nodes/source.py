@@ -28,6 +28,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from zephon_loader.errors import described_error
 from zephon_loader.errors import field_error as _err
 from zephon_loader.zephon_compat import (
     check_engine_state,
@@ -208,6 +209,48 @@ class Position:
     def __init__(self, streams: list[tuple[_Stream, dict[str, Any], dict[int, int]]], carry: list[dict[str, Any]]):
         self.streams = streams
         self.carry = carry
+
+
+_FROM_STATE_DICT = "Pass the state saved by state_dict()."
+
+
+def checked_epoch(value: Any, where: str) -> int:
+    """A state's ``epoch``: an int >= 0 (the loader state and a source's ``initial_state`` check it here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(_err(where, value, "an int >= 0 (the epoch the state was saved in)", _FROM_STATE_DICT))
+    return value
+
+
+def checked_skip(value: Any, where: str, lanes: int | None = None) -> dict[str, int]:
+    """A state's ``skip``: ``{"<lane>": batches >= 0}`` delivered after its checkpoint, lanes below ``lanes``
+    when given; returned with string lanes."""
+    expected = "{'<lane>': int >= 0} (batches of each lane delivered after the checkpoint)"
+    if not isinstance(value, Mapping):
+        raise ValueError(described_error(where, type(value).__name__, expected, _FROM_STATE_DICT))
+    for lane, count in value.items():
+        if not (str(lane).isdigit() and (lanes is None or int(lane) < lanes)):
+            raise ValueError(described_error(where, f"lane {lane!r}", "a lane id" + (
+                f" in [0, {lanes})" if lanes else ""), _FROM_STATE_DICT))
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(_err(f"{where}[{lane!r}]", count, "an int >= 0", _FROM_STATE_DICT))
+    return {str(lane): int(n) for lane, n in value.items()}
+
+
+def checked_link(link: Any, where: str) -> dict[str, Any]:
+    """One entry of a state's ``carried`` or ``carry``: exactly ``{"epoch", "zephon_checkpoint", "skip"}``, the
+    checkpoint a dict or ``None`` (its schema is :meth:`ZephonSource.validate_state`'s to check)."""
+    keys = {ZephonSource.EPOCH_KEY, ZephonSource.STATE_KEY, ZephonSource.SKIP_KEY}
+    if not isinstance(link, Mapping) or set(link) != keys:
+        seen = f"keys {sorted(map(str, link))}" if isinstance(link, Mapping) else type(link).__name__
+        raise ValueError(described_error(where, seen, "{'epoch': int, 'zephon_checkpoint': ..., 'skip': {...}}",
+                                         _FROM_STATE_DICT))
+    checkpoint = link[ZephonSource.STATE_KEY]
+    if checkpoint is not None and not isinstance(checkpoint, Mapping):
+        raise ValueError(described_error(f"{where}.zephon_checkpoint", type(checkpoint).__name__,
+                                         "a Zephon checkpoint (dict) or None", _FROM_STATE_DICT))
+    return {ZephonSource.EPOCH_KEY: checked_epoch(link[ZephonSource.EPOCH_KEY], f"{where}.epoch"),
+            ZephonSource.STATE_KEY: checkpoint,
+            ZephonSource.SKIP_KEY: checked_skip(link[ZephonSource.SKIP_KEY], f"{where}.skip")}
 
 
 class ZephonSource(BaseNode):
@@ -505,31 +548,13 @@ class ZephonSource(BaseNode):
                 and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY, cls.SKIP_KEY, cls.CARRIED_KEY, cls.CARRY_KEY})
 
     def _epoch_of(self, state: Mapping[str, Any], where: str = "initial_state") -> int:
-        epoch = state.get(self.EPOCH_KEY, 0)
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(_err(f"{where}.epoch", epoch, "an int >= 0", "Pass the state saved by state_dict()."))
-        return epoch
+        return checked_epoch(state.get(self.EPOCH_KEY, 0), f"{where}.{self.EPOCH_KEY}")
 
     def _skip_of(self, state: Mapping[str, Any], where: str = "initial_state") -> dict[str, int]:
-        skip = state.get(self.SKIP_KEY) or {}
-        if not isinstance(skip, Mapping) or not all(
-                str(lane).isdigit() and isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                for lane, n in skip.items()):
-            raise ValueError(_err(f"{where}.skip", skip, "{'<lane>': int >= 0}",
-                                  "Pass the state saved by state_dict()."))
-        return {str(lane): int(n) for lane, n in skip.items()}
+        return checked_skip(state.get(self.SKIP_KEY) or {}, f"{where}.{self.SKIP_KEY}")
 
     def _link_of(self, link: Any, where: str) -> dict[str, Any]:
-        """A checked ``{"epoch", "zephon_checkpoint", "skip"}`` entry of ``carried`` or ``carry``."""
-        if not isinstance(link, Mapping) or self.STATE_KEY not in link:
-            raise ValueError(_err(where, link, "{'epoch': int, 'zephon_checkpoint': ..., 'skip': {...}}",
-                                  "Pass the state saved by state_dict()."))
-        checkpoint = link[self.STATE_KEY]
-        if checkpoint is not None and not isinstance(checkpoint, Mapping):
-            raise ValueError(_err(f"{where}.zephon_checkpoint", type(checkpoint).__name__,
-                                  "a Zephon checkpoint (dict) or None", "Pass the state saved by state_dict()."))
-        return {self.EPOCH_KEY: self._epoch_of(link, where), self.STATE_KEY: checkpoint,
-                self.SKIP_KEY: self._skip_of(link, where)}
+        return checked_link(link, where)
 
     def _checkpoint_of(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         checkpoint = state.get(self.STATE_KEY) if self.is_state(state) else None
