@@ -44,14 +44,11 @@ from zephon_loader.config import default_config_path
 from zephon_loader.pipeline.text import build_pipeline
 
 
-#: Set by main(): overrides applied to the config on both sides (shape, sources).
-OVERRIDES: dict[str, Any] = {}
-
-
-def _config(config_path: Path, runner: str | None) -> Any:
+def _config(config_path: Path, runner: str | None, **overrides: Any) -> Any:
+    """The config both sides read: the file's, with ``overrides`` (shape, sources) and ``runner`` applied."""
     cfg = read_loader_config(config_path)
-    if OVERRIDES:
-        cfg = dataclasses.replace(cfg, **OVERRIDES)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
     if runner is not None:
         cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, runner=runner))
     return cfg
@@ -65,8 +62,7 @@ def _shape(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"--shape: got {text!r}, expected BxS such as 8x8192") from None
 
 
-def direct_tokens_per_s(config_path: Path, passes: int, runner: str | None = None, step_s: float = 0.0) -> tuple[float, int]:
-    cfg = _config(config_path, runner)
+def direct_tokens_per_s(cfg: Any, passes: int, step_s: float = 0.0) -> tuple[float, int]:
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as work_dir:
         pipeline = build_pipeline(cfg, work_dir=work_dir).pipeline
         tokens = batches = 0
@@ -85,10 +81,9 @@ def direct_tokens_per_s(config_path: Path, passes: int, runner: str | None = Non
         return tokens / (time.perf_counter() - start), batches
 
 
-def loader_tokens_per_s(config_path: Path, passes: int, read_ahead: int | None = None, runner: str | None = None,
-                        step_s: float = 0.0) -> tuple[float, int]:
+def loader_tokens_per_s(cfg: Any, passes: int, read_ahead: int | None = None, step_s: float = 0.0) -> tuple[float, int]:
     tokens = batches = 0
-    config = _config(config_path, runner)
+    config = cfg
     if read_ahead is not None:
         config = dataclasses.replace(config, read_ahead=read_ahead)
     with build_text_loader(config) as loader:
@@ -117,29 +112,29 @@ def main() -> None:
                         help="read N Python standard library files (JSONL) instead of the config's sources")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_loader_corpus_") as corpus_root:
+        overrides: dict[str, Any] = {}
         if args.shape is not None:
-            OVERRIDES.update(micro_batch_size=args.shape[0], sequence_length=args.shape[1])
+            overrides.update(micro_batch_size=args.shape[0], sequence_length=args.shape[1])
         if args.stdlib_files:
             from bench_first_batch import make_corpus
             from zephon_loader.config.schema import SourceConfig
 
             documents, size = make_corpus(Path(corpus_root) / "stdlib", args.stdlib_files)
             print(f"corpus: {documents} stdlib files, {size / 2**20:.1f} MiB of text")
-            OVERRIDES["sources"] = (SourceConfig(name="stdlib", path=str(Path(corpus_root) / "stdlib")),)
-        run(args)
+            overrides["sources"] = (SourceConfig(name="stdlib", path=str(Path(corpus_root) / "stdlib")),)
+        run(args, _config(args.config, args.runner, **overrides))
 
 
-def run(args: argparse.Namespace) -> None:
-    runner, step = args.runner, args.step_ms / 1000
-    cfg = _config(args.config, runner)
+def run(args: argparse.Namespace, cfg: Any) -> None:
+    step = args.step_ms / 1000
     print(f"config {args.config}  shape {cfg.micro_batch_size}x{cfg.sequence_length}  runner {cfg.runtime.runner}  "
           f"step {args.step_ms} ms  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}")
     read_ahead = cfg.read_ahead
     sides = {
-        "direct": lambda: direct_tokens_per_s(args.config, args.passes, runner, step),
-        f"loader (read_ahead={read_ahead})": lambda: loader_tokens_per_s(args.config, args.passes, None, runner, step),
-        "loader (read_ahead=0)": lambda: loader_tokens_per_s(args.config, args.passes, 0, runner, step),
+        "direct": lambda: direct_tokens_per_s(cfg, args.passes, step),
+        f"loader (read_ahead={read_ahead})": lambda: loader_tokens_per_s(cfg, args.passes, None, step),
+        "loader (read_ahead=0)": lambda: loader_tokens_per_s(cfg, args.passes, 0, step),
     }
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for round_index in range(args.rounds):
