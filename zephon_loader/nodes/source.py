@@ -412,9 +412,9 @@ class ZephonSource(BaseNode):
             )
         checkpoint = self._checkpoint_of(initial_state)
         epoch = self._epoch_of(initial_state)
-        carried = [self._link_of(link, f"initial_state.carried[{i}]")
+        carried = [checked_link(link, f"initial_state.carried[{i}]")
                    for i, link in enumerate(initial_state.get(self.CARRIED_KEY) or [])]
-        self._carry = [self._link_of(link, f"initial_state.carry[{i}]")
+        self._carry = [checked_link(link, f"initial_state.carry[{i}]")
                        for i, link in enumerate(initial_state.get(self.CARRY_KEY) or [])]
         self._pending_carry = None
         self._next_epoch = epoch
@@ -423,7 +423,7 @@ class ZephonSource(BaseNode):
 
     def set_carry(self, carry: list[Mapping[str, Any]]) -> None:
         """What the next ``reset(None)`` reads first (a loaded state's ``carry`` of an ended pass)."""
-        self._pending_carry = [self._link_of(link, f"carry[{i}]") for i, link in enumerate(carry)]
+        self._pending_carry = [checked_link(link, f"carry[{i}]") for i, link in enumerate(carry)]
 
     def next(self) -> Any:
         if self._closed:
@@ -553,9 +553,6 @@ class ZephonSource(BaseNode):
     def _skip_of(self, state: Mapping[str, Any], where: str = "initial_state") -> dict[str, int]:
         return checked_skip(state.get(self.SKIP_KEY) or {}, f"{where}.{self.SKIP_KEY}")
 
-    def _link_of(self, link: Any, where: str) -> dict[str, Any]:
-        return checked_link(link, where)
-
     def _checkpoint_of(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         checkpoint = state.get(self.STATE_KEY) if self.is_state(state) else None
         if checkpoint is None and self.is_state(state):
@@ -577,7 +574,7 @@ class ZephonSource(BaseNode):
         """
         checkpoints = [self._checkpoint_of(state)]
         for key in (self.CARRIED_KEY, self.CARRY_KEY):
-            checkpoints += [self._link_of(link, f"{key}[{i}]")[self.STATE_KEY]
+            checkpoints += [checked_link(link, f"{key}[{i}]")[self.STATE_KEY]
                             for i, link in enumerate(state.get(key) or [])]
         for checkpoint in checkpoints:
             if checkpoint is not None:
