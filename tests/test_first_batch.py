@@ -283,3 +283,39 @@ def test_flush_every_records_is_checked_and_fingerprinted(jsonl_sources, tokeniz
         with pytest.raises(ValueError, match="flush_every_records"):
             loader.load_state_dict(state)
 
+
+
+# ----------------------------------------------------------------------------- the tokenizer's own threads
+
+
+@pytest.mark.parametrize("cores, env, switched_off", [
+    (1, None, True), (2, None, True),            # few cores: the pool is switched off
+    (3, None, False), (16, None, False),         # more: left alone
+    (2, "true", False), (2, "false", False),     # the environment decides: untouched
+])
+def test_the_tokenizers_pool_is_switched_off_on_two_cores_unless_the_environment_decides(
+        monkeypatch, cores, env, switched_off):
+    from zephon_loader.tokenizing import TOKENIZERS_PARALLELISM, fit_tokenizer_threads
+
+    if env is None:
+        monkeypatch.delenv(TOKENIZERS_PARALLELISM, raising=False)
+    else:
+        monkeypatch.setenv(TOKENIZERS_PARALLELISM, env)
+    assert fit_tokenizer_threads(cores) is switched_off
+    import os
+
+    expected = "false" if switched_off else env
+    assert os.environ.get(TOKENIZERS_PARALLELISM) == expected
+
+
+@pytest.mark.parametrize("cores", [2, 8])
+def test_building_a_loader_fits_the_tokenizers_pool_to_the_cores(jsonl_sources, tokenizer_dir, monkeypatch, cores):
+    import os
+
+    from zephon_loader import tokenizing
+
+    monkeypatch.delenv(tokenizing.TOKENIZERS_PARALLELISM, raising=False)
+    monkeypatch.setattr(tokenizing, "available_cores", lambda: cores)
+    with build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir)) as loader:
+        assert os.environ.get(tokenizing.TOKENIZERS_PARALLELISM) == ("false" if cores <= 2 else None)
+        assert next(iter(loader))["input_ids"].shape[0] >= 1

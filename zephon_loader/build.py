@@ -25,6 +25,7 @@ from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.pipeline.text import DataParallel
 from zephon_loader.stages import ImageStage, Stage, TextStage
 from zephon_loader.stats import CountingCollate, LoaderStats
+from zephon_loader.tokenizing import fit_tokenizer_threads
 from zephon_loader.workdirs import make_work_dir
 
 __all__ = ["build_image_loader", "build_loader", "build_text_loader", "data_parallel",
@@ -51,7 +52,8 @@ def build_loader(
     1. the contract: the model's or the YAML's (:func:`resolve_contract`), and the stage's refusals;
     2. the final-map settings it implies (eligibility as far as known: a processor may add it in step 4);
     3. this rank's data-parallel coordinates (:func:`data_parallel`);
-    4. inside ``dataset_build_context`` (entered once): the stage's ``prepare`` (tokenizer folder,
+    4. inside ``dataset_build_context`` (entered once): the tokenizer threads fitted to the machine
+       (:func:`~zephon_loader.tokenizing.fit_tokenizer_threads`), the stage's ``prepare`` (tokenizer folder,
        processor), then the Zephon pipeline, in a work folder the loader owns;
     5. the final-map settings again, if the processor brought eligibility;
     6. the nodes and the loader: source (rebuilt per epoch), collate, final map, accounting, fingerprint.
@@ -77,6 +79,7 @@ def build_loader(
     owned: list[str] = []
     try:
         with dataset_build_context or contextlib.nullcontext():
+            fit_tokenizer_threads()  # before anything tokenizes (the library's pool is off on 1-2 cores)
             stage.prepare(owned)
             if stage.attention_eligibility != eligibility:  # refuses contracts that cannot exclude a token in a record
                 settings = finalize(attention_eligibility=stage.attention_eligibility)

@@ -7,13 +7,22 @@ which cannot resolve offline (Zephon would retry with backoff, then fail).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from zephon_loader.config.schema import INLINE_MAX_CORES, available_cores
 from zephon_loader.errors import field_error as _err
 
-__all__ = ["SharedTokenizer", "check_token_id", "check_tokenizer_dir", "load_tokenizer", "pad_token_id_of"]
+__all__ = ["TOKENIZERS_PARALLELISM", "SharedTokenizer", "check_token_id", "check_tokenizer_dir",
+           "fit_tokenizer_threads", "load_tokenizer", "pad_token_id_of"]
+
+_log = logging.getLogger("zephon_loader")
+
+#: The environment variable that switches the ``tokenizers`` library's own thread pool on or off for the
+#: process. The library reads it at every batch call, so setting it takes effect at once.
+TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -48,6 +57,39 @@ def check_tokenizer_dir(where: str, path: Path) -> Path:
                  "Write it with transformers' save_pretrained(dir).")
         )
     return path
+
+
+def fit_tokenizer_threads(cores: int | None = None) -> bool:
+    """On a machine of at most :data:`~zephon_loader.config.schema.INLINE_MAX_CORES` cores, switch the
+    ``tokenizers`` library's own thread pool off for this process, unless its environment already decides.
+
+    A fast tokenizer spreads each batch call over a pool of one thread per core whose idle workers spin
+    before they sleep. On two cores those threads take the cores from Zephon's engine and the training
+    loop, which wait on Python's lock rather than on the tokenizer: the demo pipeline (B=4, S=256) ran at
+    ~170k tokens/s with the pool and ~200k without it, with 45,000 involuntary context switches per four
+    passes against 300 (``benchmarks/bench_loader.py``; README "Loader overhead"). Encoding gives the same
+    ids either way. With more cores the pool is left alone, and so is any value the environment has
+    (``TOKENIZERS_PARALLELISM=true`` keeps the pool on two cores).
+
+    The switch is the environment variable :data:`TOKENIZERS_PARALLELISM` (the library's only one), so it
+    holds for every tokenizer of the process, and for worker processes started afterwards.
+
+    Args:
+        cores: The cores this process may use (default: :func:`~zephon_loader.config.schema.available_cores`).
+
+    Returns:
+        Whether this call switched the pool off.
+    """
+    if TOKENIZERS_PARALLELISM in os.environ:
+        return False
+    cores = available_cores() if cores is None else cores
+    if cores > INLINE_MAX_CORES:
+        return False
+    os.environ[TOKENIZERS_PARALLELISM] = "false"
+    _log.info("zephon_loader: %d core(s): the tokenizers library's thread pool is switched off for this process "
+              "(%s=false; set it to true before building the loader to keep the pool)", cores,
+              TOKENIZERS_PARALLELISM)
+    return True
 
 
 #: Oldest transformers major that loads the bundled and saved tokenizer folders

@@ -196,7 +196,10 @@ class RuntimeConfig(RunnerOptions):
             each (``None``: from the cores this process may use, half of them,
             1 to 4: 1 on 2 cores). Fewer calls: the first batch waits for fewer
             documents and less text is held in memory (see README, "Memory and
-            first batch").
+            first batch"). Each call runs on one thread on 1 or 2 cores: there
+            the loader switches the ``tokenizers`` library's own thread pool off
+            for the process (``TOKENIZERS_PARALLELISM=false``) unless the
+            environment sets that variable (README, "Loader overhead").
     """
 
     runner: Literal["auto", "threads", "inline", "process", "ray"] = "auto"
