@@ -319,3 +319,20 @@ def test_building_a_loader_fits_the_tokenizers_pool_to_the_cores(jsonl_sources, 
     with build_text_loader(text_config(jsonl_sources["a"], tokenizer_dir)) as loader:
         assert os.environ.get(tokenizing.TOKENIZERS_PARALLELISM) == ("false" if cores <= 2 else None)
         assert next(iter(loader))["input_ids"].shape[0] >= 1
+
+
+def test_the_tokenizers_pool_changes_no_token(tokenizer_dir, monkeypatch):
+    """What the loader switches off is only the library's threading: the same texts give the same ids."""
+    import sysconfig
+    from pathlib import Path
+
+    from zephon_loader.tokenizing import TOKENIZERS_PARALLELISM
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [path.read_text(errors="replace") for path in sorted(stdlib.glob("*.py"))[:16]]
+    tokenizer = load_tokenizer(tokenizer_dir)
+    ids = {}
+    for setting in ("true", "false"):  # the library reads the variable at every batch call
+        monkeypatch.setenv(TOKENIZERS_PARALLELISM, setting)
+        ids[setting] = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert sum(map(len, ids["true"])) > 10_000 and ids["true"] == ids["false"]
