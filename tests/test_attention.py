@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_xdoc_positions
 from zephon_loader import fields as F
@@ -12,6 +13,7 @@ from zephon_loader.attention import (
     adapt_model_inputs,
     check_training_batch,
     enable_xdoc_attention,
+    joined_positions,
     padding_is_trailing,
     require_supported_packing_contract,
 )
@@ -100,6 +102,40 @@ def test_xdoc_three_axis_offsets_use_max_over_axes():
     out = enable_xdoc_attention(adapt_model_inputs(batch), DOCS)
     # max_coord(doc 1) = 7, so doc 2 shifts by 8 on every axis.
     assert out[F.POSITION_IDS][:, 0, 3:].tolist() == [[8, 9], [8, 8], [8, 9]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(packed_batches(), st.sampled_from([0, 2**24 - 40, 2**24 - 1, 2**24, 2**31, 2**53 + 1]))
+def test_joined_positions_exact_at_any_magnitude(batch, base):
+    """joined_positions works in float32 below 2**24 and falls back to int64 at or past it: both exact.
+
+    Shifting every subdocument's positions by ``base`` puts the row totals just below, at and far past
+    float32's exact range (2**53 + 1 is not even a float64).
+    """
+    ids = batch[F.DOCUMENT_IDS]
+    positions = batch[F.POSITION_IDS] + base * (ids != 0)
+    snapshot = positions.clone()
+    out = joined_positions(ids, positions)
+    assert torch.equal(positions, snapshot)
+    assert out.dtype == positions.dtype and out.shape == positions.shape
+    assert torch.equal(out, reference_xdoc_positions(ids, positions))
+
+
+def test_joined_positions_falls_back_exactly_where_float32_rounds():
+    # 2**24 + 1 is the first integer float32 cannot hold: it rounds to 2**24.
+    ids = torch.tensor([[1, 1, 2, 2, 0]])
+    positions = torch.tensor([[2**24 - 1, 2**24, 0, 1, 0]])
+    assert joined_positions(ids, positions).tolist() == [[2**24 - 1, 2**24, 2**24 + 1, 2**24 + 2, 0]]
+    # A row total of exactly 2**24 (two spans of 2**23) already takes the int64 path; one below, float32.
+    for first in (2**23 - 1, 2**23 - 2):
+        positions = torch.tensor([[first - 1, first, 0, 2**23 - 1, 0]])
+        expected = [[first - 1, first, first + 1, first + 2**23, 0]]
+        assert joined_positions(ids, positions).tolist() == expected
+    # Spans 2**23, 2**23, 1: the true total 2**24 + 1 rounds to 2**24 in float32 (where the third offset,
+    # 2**24, would come out as 2**24 - 1): the int64 path, exact.
+    ids = torch.tensor([[1, 1, 2, 2, 3]])
+    positions = torch.tensor([[0, 2**23 - 1, 0, 2**23 - 1, 0]])
+    assert joined_positions(ids, positions).tolist() == [[0, 2**23 - 1, 2**23, 2**24 - 1, 2**24]]
 
 
 def test_require_contract_accepts_automodel_capabilities():

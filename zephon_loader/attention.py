@@ -312,41 +312,58 @@ def join_subdocuments(batch: MutableMapping[str, Any]) -> TrainingBatch:
 def joined_positions(document_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """``position_ids`` with each row's subdocuments continuing one another (a new tensor; inputs untouched).
 
+    Subdocument ``k`` of a row is shifted by ``offset_k = offset_(k-1) + max_coord(k-1) + 1`` (``offset_1 =
+    0``), ``max_coord`` its largest position over all axes; padding (id 0) is not shifted.
+
     Args:
         document_ids: int64 ``[B, S]``, 1-based, 0 at padding.
         position_ids: integer ``[B, S]`` or ``[A, B, S]``, nonnegative, local per subdocument.
 
     Returns:
-        ``position_ids + offset_k`` of each token's subdocument (padding unchanged), ``position_ids``' dtype.
+        ``position_ids + offset_k`` of each token's subdocument, ``position_ids``' shape and dtype.
     """
-    offsets = subdocument_position_offsets(document_ids, position_ids)  # a fresh [B, S] int64 tensor
-    if position_ids.ndim == 2 and position_ids.dtype == offsets.dtype:
-        # Added into the fresh offsets: one [B, S] tensor per batch instead of two (at [8, 8192] each new
-        # one costs about as much as the arithmetic: the allocator returns and refaults its pages).
-        return offsets.add_(position_ids)
-    return position_ids + offsets.to(position_ids.dtype)
+    coords = position_ids if position_ids.ndim == 2 else position_ids.amax(dim=0)
+    # The per-subdocument maxima and their running sums are computed in float32 when that is exact (every
+    # joined position below 2**24, as at any real sequence length): on CPU its scatter-max takes half the
+    # time of int64's. Past that, in int64. The per-token work is int64 and in place, so the batch
+    # allocates one [B, S] tensor beyond the float32 copy (fresh allocations cost page faults).
+    offsets, total = _subdocument_offsets(document_ids, coords.to(torch.float32))
+    if total >= _FLOAT32_EXACT:
+        offsets, _ = _subdocument_offsets(document_ids, coords.to(torch.int64))
+    per_token = offsets.to(torch.int64).gather(1, document_ids)
+    if position_ids.ndim == 2 and position_ids.dtype == torch.int64:
+        return per_token.add_(position_ids)
+    return position_ids + per_token.to(position_ids.dtype)
 
 
-def subdocument_position_offsets(document_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token offsets making each row's subdocuments continue one another.
+# Integers from 0 to 2**24 are exact in float32, and so is every sum of them that stays below it.
+_FLOAT32_EXACT = 2**24
+
+
+def _subdocument_offsets(document_ids: torch.Tensor, coords: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Each row's ``offset_k`` per subdocument id, in ``coords``' dtype, and the largest row total.
 
     Args:
         document_ids: int64 ``[B, S]``, 1-based, 0 at padding.
-        position_ids: integer ``[B, S]`` or ``[A, B, S]``, nonnegative.
+        coords: ``[B, S]`` nonnegative coordinates (the largest over the axes), integer or float32.
 
     Returns:
-        int64 ``[B, S]``: ``offset_k`` of each token's subdocument (0 at padding).
+        ``[B, D + 1]`` (``D`` the largest id): column ``d`` holds ``offset_d``, column 0 (padding) 0 and an
+        absent id its successor's offset; and ``max over rows of sum_k (max_coord(k) + 1)``, one past the
+        largest joined position, as a float (0 for an empty batch). In float32 a total below 2**24
+        proves every value exact: rounding can only happen once a partial sum reaches 2**24, and the sums
+        of nonnegative values never come back below it.
     """
     batch_size = document_ids.shape[0]
-    coords = position_ids if position_ids.ndim == 2 else position_ids.amax(dim=0)
     max_id = int(document_ids.max()) if document_ids.numel() else 0
-    # Column d: max_coord(d) for present ids, -1 for absent ones; +1 makes it the span (absent: 0).
+    # Column d: max_coord(d) for present ids, -1 for absent ones and for padding; +1 makes it the span.
     largest = torch.full((batch_size, max_id + 1), -1, dtype=coords.dtype, device=document_ids.device)
     largest.scatter_reduce_(1, document_ids, coords, reduce="amax", include_self=True)
-    spans = largest.to(torch.int64).add_(1)
-    spans[:, 0] = 0  # the padding column
-    offsets = spans.cumsum(dim=1).sub_(spans)  # exclusive prefix sum over ids; column 0 (padding) is 0
-    return offsets.gather(1, document_ids)
+    largest[:, 0] = -1
+    spans = largest.add_(1)
+    ends = spans.cumsum(dim=1)
+    total = float(ends[:, -1].max()) if batch_size else 0.0
+    return ends.sub_(spans), total
 
 
 def require_supported_packing_contract(

@@ -117,7 +117,7 @@ def packed_sequence_metadata_of(ids: torch.Tensor, high: int, *, contiguous: boo
     # `ids.bool()` is a cheaper pass than `ids != 0`.
     valid = ids.bool()
     if high == 1:  # one id per row (xdoc's joined rows, single documents): its count is the row's valid tokens
-        return single_document_metadata(valid)
+        return single_document_metadata(ids, valid)
     batch_size, sequence_length = ids.shape
     # A scalar `other` avoids a [B, S] fill.
     packed_token_indices = torch.where(valid, _columns(sequence_length, ids.device), -1)
@@ -154,17 +154,20 @@ def _columns(length: int, device: torch.device) -> torch.Tensor:
     return columns
 
 
-def single_document_metadata(valid: torch.Tensor) -> PackedSequenceMetadata:
-    """:func:`build_packed_sequence_metadata` of ids that are 1 exactly where ``valid`` (bool ``[B, S]``) is True.
+def single_document_metadata(ids: torch.Tensor, valid: torch.Tensor) -> PackedSequenceMetadata:
+    """:func:`build_packed_sequence_metadata` of ids that are all 0 or 1 (one document per row).
 
-    The final map's path for xdoc's joined rows, which knows ``valid`` already: the same output without a
-    pass over int64 ids.
+    The path for xdoc's joined rows and single-document rows, whose caller has both forms of the ids already.
+
+    Args:
+        ids: Integer ``[B, S]``, 1 at valid tokens, 0 elsewhere (not checked).
+        valid: ``ids.bool()``.
 
     Raises:
         ValueError: No valid token in the batch.
     """
     sequence_length = valid.shape[1]
-    counts = valid.sum(dim=1)
+    counts = ids.sum(dim=1)  # over the integer ids: a cheaper pass than over bool
     longest = int(counts.max()) if counts.numel() else 0
     if longest == 0:
         _no_valid_token(valid)

@@ -384,7 +384,7 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
     if settings.metadata:
         # collate's ids are a running count of document starts (1 .. n per row) unless eligibility zeroed some.
         contiguous = _validated and F.ATTENTION_ELIGIBILITY not in work
-        out.update(single_document_metadata(member) if settings.xdoc
+        out.update(single_document_metadata(ids, member) if settings.xdoc
                    else packed_sequence_metadata_of(ids, high, contiguous=contiguous))
     if settings.thd:
         out.update(thd_fields(ids))
