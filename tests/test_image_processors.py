@@ -238,6 +238,27 @@ def test_check_processed_names_the_field(processor):
         "position_ids": (good.position_ids[:2], ValueError, r"ProcessedRecord.position_ids got int64 shape \(2,"),
         "input_ids": ([1, 2], TypeError, "ProcessedRecord.input_ids got list, expected a numpy array"),
     }
+    # The dtype and value checks each refuse what they must (bools are not integers, nor ints floats).
+    bad_values = [
+        ("input_ids", good.input_ids.astype(bool), r"input_ids got bool shape .*, expected a non-empty 1-D integer"),
+        ("input_ids", good.input_ids[:0], r"input_ids got int64 shape \(0,\)"),
+        ("image_grid_thw", good.image_grid_thw * 0, r"image_grid_thw got int64 shape \(1, 3\), expected a positive"),
+        ("pixel_values", good.pixel_values.astype(np.int32), r"pixel_values got int32 shape .*, expected a float array"),
+        ("position_ids", good.position_ids.astype(np.float32), r"position_ids got float32 shape \(3,"),
+        ("position_ids", good.position_ids - 1, r"position_ids got minimum -1, expected nonnegative"),
+        ("mm_token_type_ids", good.mm_token_type_ids - 1, r"got values \[-1, 0\], expected 0 \(text\) or 1"),
+        ("attention_eligibility", np.ones(len(good.input_ids), bool),
+         "attention_eligibility got an array, expected None: the processor declares attention_eligibility=False"),
+    ]
+    for name, value, message in bad_values:
+        with pytest.raises(ValueError, match=message):
+            check_processed(ProcessedRecord(**{**good.__dict__, name: value}), owner="P", eligibility=False)
+    with pytest.raises(ValueError, match="attention_eligibility got no eligible token"):
+        no_token = np.zeros(len(good.input_ids), bool)
+        check_processed(ProcessedRecord(**{**good.__dict__, "attention_eligibility": no_token}), owner="P",
+                        eligibility=True)
+    unsigned = ProcessedRecord(**{**good.__dict__, "input_ids": good.input_ids.astype(np.uint32)})
+    assert check_processed(unsigned, owner="P", eligibility=False).input_ids.dtype == np.int64
     for name, (value, error, message) in bad.items():
         with pytest.raises(error, match=message):
             check_processed(ProcessedRecord(**{**good.__dict__, name: value}), owner="P", eligibility=False)

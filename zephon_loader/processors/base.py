@@ -25,7 +25,7 @@ Shapes and dtypes of :class:`ProcessedRecord` (``n`` tokens, ``k`` images,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -101,9 +101,12 @@ def _array(value: Any, name: str, owner: str) -> np.ndarray:
     return value
 
 
-def _expect(ok: bool, owner: str, name: str, seen: str, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{owner}: ProcessedRecord.{name} got {seen}, expected {expected}; fix the processor")
+# numpy dtype kinds of signed and unsigned integers (np.issubdtype(dtype, np.integer), in one lookup).
+_INTEGER = "iu"
+
+
+def _fail(owner: str, name: str, seen: str, expected: str) -> NoReturn:
+    raise ValueError(f"{owner}: ProcessedRecord.{name} got {seen}, expected {expected}; fix the processor")
 
 
 def check_processed(out: Any, *, owner: str, eligibility: bool) -> ProcessedRecord:
@@ -121,47 +124,57 @@ def check_processed(out: Any, *, owner: str, eligibility: bool) -> ProcessedReco
     Raises:
         TypeError / ValueError: naming ``owner``, the field, what was seen and what was expected.
     """
+    # Once per record in the pipeline's processing thread: every check is a cheap test, and a message is
+    # only formatted when it fails (formatting dtypes and shapes costs more than the checks).
     if not isinstance(out, ProcessedRecord):
         raise TypeError(f"{owner}: returned {type(out).__name__}, expected a zephon_loader.processors.ProcessedRecord")
     ids = _array(out.input_ids, "input_ids", owner)
-    _expect(ids.ndim == 1 and ids.size > 0 and np.issubdtype(ids.dtype, np.integer), owner, "input_ids",
-            f"{ids.dtype} shape {ids.shape}", "a non-empty 1-D integer array [n]")
+    if not (ids.ndim == 1 and ids.size > 0 and ids.dtype.kind in _INTEGER):
+        _fail(owner, "input_ids", f"{ids.dtype} shape {ids.shape}", "a non-empty 1-D integer array [n]")
     n = ids.shape[0]
     fields: dict[str, np.ndarray] = {"input_ids": ids.astype(np.int64, copy=False)}
     for name, dtype in (("loss_mask", np.bool_), ("mm_token_type_ids", np.int64)):
         value = _array(getattr(out, name), name, owner)
-        _expect(value.shape == (n,), owner, name, f"shape {value.shape}", f"one value per token, shape ({n},)")
+        if value.shape != (n,):
+            _fail(owner, name, f"shape {value.shape}", f"one value per token, shape ({n},)")
         fields[name] = value.astype(dtype, copy=False)
-    if not np.isin(fields["mm_token_type_ids"], (0, 1)).all():
-        _expect(False, owner, "mm_token_type_ids", f"values {np.unique(fields['mm_token_type_ids']).tolist()}",
-                "0 (text) or 1 (image); videos are not supported")
+    types = fields["mm_token_type_ids"]
+    if not ((types == 0) | (types == 1)).all():
+        _fail(owner, "mm_token_type_ids", f"values {np.unique(types).tolist()}",
+              "0 (text) or 1 (image); videos are not supported")
     grid = _array(out.image_grid_thw, "image_grid_thw", owner)
-    _expect(grid.ndim == 2 and grid.shape[1] == 3 and np.issubdtype(grid.dtype, np.integer)
-            and (grid.size == 0 or int(grid.min()) > 0), owner, "image_grid_thw",
-            f"{grid.dtype} shape {grid.shape}", "a positive integer array [images, 3]")
+    if not (grid.ndim == 2 and grid.shape[1] == 3 and grid.dtype.kind in _INTEGER
+            and (grid.size == 0 or int(grid.min()) > 0)):
+        _fail(owner, "image_grid_thw", f"{grid.dtype} shape {grid.shape}", "a positive integer array [images, 3]")
+    grid = grid.astype(np.int64, copy=False)
     pixels = _array(out.pixel_values, "pixel_values", owner)
-    patches = int(grid.astype(np.int64).prod(axis=1).sum()) if grid.size else 0
-    _expect(pixels.ndim == 2 and pixels.shape[0] == patches and np.issubdtype(pixels.dtype, np.floating),
-            owner, "pixel_values", f"{pixels.dtype} shape {pixels.shape}",
-            f"a float array [{patches}, patch_dim] (sum of t*h*w over image_grid_thw)")
-    fields["image_grid_thw"] = grid.astype(np.int64, copy=False)
+    patches = int(grid.prod(axis=1).sum()) if grid.size else 0
+    if not (pixels.ndim == 2 and pixels.shape[0] == patches and pixels.dtype.kind == "f"):
+        _fail(owner, "pixel_values", f"{pixels.dtype} shape {pixels.shape}",
+              f"a float array [{patches}, patch_dim] (sum of t*h*w over image_grid_thw)")
+    fields["image_grid_thw"] = grid
     fields["pixel_values"] = pixels.astype(np.float32, copy=False)
     elig = None
     if out.attention_eligibility is not None or eligibility:
-        _expect(out.attention_eligibility is not None, owner, "attention_eligibility", "None",
-                f"a bool array ({n},): the processor declares attention_eligibility=True")
+        if out.attention_eligibility is None:
+            _fail(owner, "attention_eligibility", "None",
+                  f"a bool array ({n},): the processor declares attention_eligibility=True")
         elig = _array(out.attention_eligibility, "attention_eligibility", owner)
-        _expect(elig.shape == (n,), owner, "attention_eligibility", f"shape {elig.shape}", f"shape ({n},)")
-        _expect(eligibility, owner, "attention_eligibility", "an array",
-                "None: the processor declares attention_eligibility=False")
+        if elig.shape != (n,):
+            _fail(owner, "attention_eligibility", f"shape {elig.shape}", f"shape ({n},)")
+        if not eligibility:
+            _fail(owner, "attention_eligibility", "an array",
+                  "None: the processor declares attention_eligibility=False")
         elig = elig.astype(np.bool_, copy=False)
-        _expect(bool(elig.any()), owner, "attention_eligibility", "no eligible token", "at least one eligible token")
+        if not elig.any():
+            _fail(owner, "attention_eligibility", "no eligible token", "at least one eligible token")
     positions = None
     if out.position_ids is not None:
         positions = _array(out.position_ids, "position_ids", owner)
-        _expect(positions.shape == (3, n) and np.issubdtype(positions.dtype, np.integer), owner, "position_ids",
-                f"{positions.dtype} shape {positions.shape}", f"an integer array [3, {n}]")
-        _expect(int(positions.min()) >= 0, owner, "position_ids", f"minimum {int(positions.min())}",
-                "nonnegative positions local to the record")
+        if not (positions.shape == (3, n) and positions.dtype.kind in _INTEGER):
+            _fail(owner, "position_ids", f"{positions.dtype} shape {positions.shape}", f"an integer array [3, {n}]")
+        low = int(positions.min())
+        if low < 0:
+            _fail(owner, "position_ids", f"minimum {low}", "nonnegative positions local to the record")
         positions = positions.astype(np.int64, copy=False)
     return ProcessedRecord(attention_eligibility=elig, position_ids=positions, **fields)
