@@ -20,6 +20,12 @@ median time of:
   calls it (to_training, the checks of Zephon's output, document ids, label
   masking).
 
+Allocations: glibc's dynamic mmap and trim thresholds make a ``[B, S]`` tensor
+allocated per call cost page faults in some processes and not in others (the
+same code timed 2-5x apart from one run to the next), so the script pins them
+first (``timing.pin_allocator``) and the figures compare computation;
+``--default-allocator`` leaves glibc as it is.
+
 The script only uses names that exist in earlier versions too, so the same
 command run against an older checkout (``PYTHONPATH=<old checkout>``) gives
 the "before" column; contracts an older version does not know are skipped.
@@ -31,7 +37,7 @@ import argparse
 
 import numpy as np
 import torch
-from timing import median_seconds
+from timing import median_seconds, pin_allocator
 from zephon import SampleBatch, SampleMeta, SampleRecord
 
 from zephon_loader import fields as F
@@ -92,7 +98,10 @@ def median_ms(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="leave glibc's allocation thresholds as they are (timings then vary between runs)")
     args = parser.parse_args()
+    allocator = "allocator: default" if args.default_allocator else pin_allocator()
     torch.set_num_threads(1)
     try:
         from nemo_automodel.components.datasets.packing import (
@@ -111,7 +120,7 @@ def main() -> None:
         "te thd (no eligibility)": ("document_ids", False, "thd", False),
         "block_causal [B,1,S,S]": ("block_causal", False, "bshd", False),
     }
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats}, {allocator}")
     for batch_size, sequence_length in ((8, 8192), (32, 4096)):
         batch = packed_batch(batch_size, sequence_length, documents=16)
         ids = batch[F.DOCUMENT_IDS].masked_fill(~batch[F.ATTENTION_ELIGIBILITY], 0)

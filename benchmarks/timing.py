@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import statistics
 import time
 from typing import Callable
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -16,3 +21,26 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def pin_allocator(mmap_threshold: int = 64 << 20, trim_threshold: int = 128 << 20) -> str:
+    """Fix glibc's allocation thresholds for this process, so that timings compare computation.
+
+    By default glibc serves a large allocation with a fresh ``mmap`` (every page faulted in on first
+    use) until an earlier free raised its dynamic threshold, and trims the heap's top when it grows past
+    twice that: whether a ``[B, S]`` tensor allocated per call costs page faults depends on what the
+    process freed before. Timings of the same code then differ 2-5x from one process to the next. With
+    fixed thresholds, allocations below ``mmap_threshold`` reuse heap memory and nothing is trimmed.
+
+    Returns:
+        What was done, for the benchmark's header line.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        mallopt = None
+    if mallopt is None or not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold)):
+        return "allocator: default (no glibc mallopt here)"
+    return f"allocator: glibc mmap threshold {mmap_threshold >> 20} MiB, trim threshold {trim_threshold >> 20} MiB (pinned)"
