@@ -40,6 +40,7 @@ from typing import Any
 
 from zephon_loader import fields as F
 from zephon_loader.pipeline.records import LONGER_THAN_ROW, REASONS
+from zephon_loader.nodes.source import lane_of
 from zephon_loader.pipeline.provenance import DropLog
 
 __all__ = ["CountingCollate", "LoaderStats", "batch_source_counts"]
@@ -53,13 +54,15 @@ def batch_source_counts(sample_batch: Any) -> list[list[int]]:
     """
     documents: dict[int, int] = {}
     tokens: dict[int, int] = {}
-    for record in sample_batch.records:
+    for record in sample_batch.records:  # per batch, on the loader's path: ints are made once, at the end
         meta = record.meta
         for cid, count in meta.component_sample_counts.items():
-            documents[int(cid)] = documents.get(int(cid), 0) + int(count)
-        for cid, count in (meta.component_token_counts or {}).items():
-            tokens[int(cid)] = tokens.get(int(cid), 0) + int(count)
-    return [[cid, documents.get(cid, 0), tokens.get(cid, 0)] for cid in sorted(set(documents) | set(tokens))]
+            documents[cid] = documents.get(cid, 0) + count
+        if meta.component_token_counts:
+            for cid, count in meta.component_token_counts.items():
+                tokens[cid] = tokens.get(cid, 0) + count
+    return [[int(cid), int(documents.get(cid, 0)), int(tokens.get(cid, 0))]
+            for cid in sorted(documents.keys() | tokens.keys())]
 
 
 class CountingCollate:
@@ -72,8 +75,6 @@ class CountingCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, sample_batch: Any) -> dict[str, Any]:
-        from zephon_loader.nodes.source import lane_of
-
         out = self.collate_fn(sample_batch)
         counts = batch_source_counts(sample_batch)
         packed = sum(tokens for _cid, _documents, tokens in counts)
