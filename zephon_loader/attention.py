@@ -351,8 +351,9 @@ def _subdocument_offsets(document_ids: torch.Tensor, coords: torch.Tensor) -> tu
         ``[B, D + 1]`` (``D`` the largest id): column ``d`` holds ``offset_d``, column 0 (padding) 0 and an
         absent id its successor's offset; and ``max over rows of sum_k (max_coord(k) + 1)``, one past the
         largest joined position, as a float (0 for an empty batch). In float32 a total below 2**24
-        proves every value exact: rounding can only happen once a partial sum reaches 2**24, and the sums
-        of nonnegative values never come back below it.
+        proves every value exact: a coordinate at or past 2**24 rounds to at least 2**24 (so does its
+        span, and the total), and a running sum can only round once it reaches 2**24, after which the
+        sums of nonnegative values never come back below it.
     """
     batch_size = document_ids.shape[0]
     max_id = int(document_ids.max()) if document_ids.numel() else 0
