@@ -238,6 +238,9 @@ def test_check_processed_names_the_field(processor):
         "position_ids": (good.position_ids[:2], ValueError, r"ProcessedRecord.position_ids got int64 shape \(2,"),
         "input_ids": ([1, 2], TypeError, "ProcessedRecord.input_ids got list, expected a numpy array"),
     }
+    for name, (value, error, message) in bad.items():
+        with pytest.raises(error, match=message):
+            check_processed(ProcessedRecord(**{**good.__dict__, name: value}), owner="P", eligibility=False)
     # The dtype and value checks each refuse what they must (bools are not integers, nor ints floats).
     bad_values = [
         ("input_ids", good.input_ids.astype(bool), r"input_ids got bool shape .*, expected a non-empty 1-D integer"),
@@ -259,9 +262,6 @@ def test_check_processed_names_the_field(processor):
                         eligibility=True)
     unsigned = ProcessedRecord(**{**good.__dict__, "input_ids": good.input_ids.astype(np.uint32)})
     assert check_processed(unsigned, owner="P", eligibility=False).input_ids.dtype == np.int64
-    for name, (value, error, message) in bad.items():
-        with pytest.raises(error, match=message):
-            check_processed(ProcessedRecord(**{**good.__dict__, name: value}), owner="P", eligibility=False)
     with pytest.raises(ValueError, match="attention_eligibility got None"):
         check_processed(good, owner="P", eligibility=True)
     with pytest.raises(TypeError, match="expected a zephon_loader.processors.ProcessedRecord"):

@@ -39,8 +39,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from zephon_loader import fields as F
-from zephon_loader.pipeline.records import LONGER_THAN_ROW, REASONS
 from zephon_loader.nodes.source import lane_of
+from zephon_loader.pipeline.records import LONGER_THAN_ROW, REASONS
 from zephon_loader.pipeline.provenance import DropLog
 
 __all__ = ["CountingCollate", "LoaderStats", "batch_source_counts"]
