@@ -23,6 +23,30 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired_median_seconds(fn: Callable[[], object], base: Callable[[], object],
+                          repeats: int) -> tuple[float, float, float]:
+    """``fn`` and ``base`` timed in alternation: their median wall times and the median of the pairs' ratios.
+
+    One warm-up call each, then ``repeats`` pairs, the order flipped every pair; each ratio compares two
+    calls made a moment apart, so a machine that slows down or speeds up during the run moves both
+    sides of it alike (two medians taken seconds apart do not: on a shared machine they drift).
+
+    Returns:
+        ``(fn_median_s, base_median_s, median of fn_s / base_s)``.
+    """
+    fn()
+    base()
+    ours: list[float] = []
+    theirs: list[float] = []
+    for index in range(repeats):
+        for which in ((0, 1) if index % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            (fn if which == 0 else base)()
+            (ours if which == 0 else theirs).append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return statistics.median(ours), statistics.median(theirs), statistics.median(ratios)
+
+
 def pin_allocator(mmap_threshold: int = 64 << 20, trim_threshold: int = 128 << 20) -> str:
     """Fix glibc's allocation thresholds for this process, so that timings compare computation.
 
