@@ -38,11 +38,12 @@ def paired_median_seconds(fn: Callable[[], object], base: Callable[[], object],
     base()
     ours: list[float] = []
     theirs: list[float] = []
+    sides = ((fn, ours), (base, theirs))
     for index in range(repeats):
-        for which in ((0, 1) if index % 2 == 0 else (1, 0)):
+        for call, times in sides if index % 2 == 0 else sides[::-1]:
             start = time.perf_counter()
-            (fn if which == 0 else base)()
-            (ours if which == 0 else theirs).append(time.perf_counter() - start)
+            call()
+            times.append(time.perf_counter() - start)
     ratios = [a / b for a, b in zip(ours, theirs)]
     return statistics.median(ours), statistics.median(theirs), statistics.median(ratios)
 
