@@ -23,18 +23,33 @@ workers compete with the consumer for Python's GIL on few cores; ``inline``
 runs Zephon in the consumer's thread). ``--step-ms`` adds a simulated training
 step per batch on both sides (a sleep: like GPU work, it releases the GIL), the
 time read-ahead exists to overlap.
+
+``--own-cost`` measures what the loader itself costs a batch, apart from
+Zephon: one pass of Zephon's batches is pulled first, then replayed through
+the loader (Zephon's iterator replaced by that list; the same batches, checked
+equal to a live pass) and through ``to_training`` alone, in alternating
+rounds. The difference is the loader's own work per batch (collate's checks
+and document ids, label masking, the final map, accounting, the nodes), much
+steadier from run to run than a throughput ratio. With Zephon running in the
+consumer's process (``inline``/``threads``), its engine and the loader share
+Python's lock, so what of the loader's work holds the lock adds to Zephon's
+time: the script prints ``direct / (direct + own cost)``, the ratio if none
+of it overlapped Zephon. At small batches (the demo's 4x256) that is what
+the throughput ratio comes to; at long rows the loader's tensor kernels run
+with the lock released, beside Zephon, and the ratio is higher.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,6 +57,7 @@ from zephon_loader import fields as F
 from zephon_loader.build import build_text_loader
 from zephon_loader.config import read_loader_config
 from zephon_loader.config import default_config_path
+from zephon_loader.nodes.source import _Stream
 from zephon_loader.pipeline.text import build_pipeline
 from zephon_loader.tokenizing import TOKENIZERS_PARALLELISM, fit_tokenizer_threads
 
@@ -101,6 +117,98 @@ def loader_tokens_per_s(cfg: Any, passes: int, read_ahead: int | None = None, st
     return tokens / (time.perf_counter() - start), batches
 
 
+@contextlib.contextmanager
+def replayed(batches: list[Any]) -> Iterator[list[int]]:
+    """Every Zephon stream started inside yields ``batches`` instead of reading (the engine is still built:
+    the loader's anchors read Zephon's position from it). Yields a one-item list: the batches replayed so far."""
+    start = _Stream.start
+    replayed_count = [0]
+
+    def replay_batches() -> Iterator[Any]:
+        for batch in batches:
+            replayed_count[0] += 1
+            yield batch
+
+    def replay(stream: Any, checkpoint: Any, skip: Any) -> None:
+        start(stream, checkpoint, skip)
+        stream.iterator = replay_batches()
+
+    _Stream.start = replay
+    try:
+        yield replayed_count
+    finally:
+        _Stream.start = start
+
+
+def own_cost(cfg: Any, rounds: int) -> None:
+    """Per-batch times of the loader over replayed batches, ``to_training`` alone, and live Zephon (see --own-cost)."""
+    with tempfile.TemporaryDirectory(prefix="bench_loader_") as work_dir:
+        recorded = build_pipeline(cfg, work_dir=work_dir).pipeline
+        iterator = iter(recorded)
+        try:
+            batches = list(iterator)
+        finally:
+            iterator.close()
+    with build_text_loader(cfg) as live:
+        expected = list(live)
+    loaders = {f"loader (read_ahead={depth})": dataclasses.replace(cfg, read_ahead=depth)
+               for depth in dict.fromkeys((cfg.read_ahead, 0))}
+    with replayed(batches) as replayed_count, contextlib.ExitStack() as stack:
+        built = {name: stack.enter_context(build_text_loader(config)) for name, config in loaders.items()}
+        for name, loader in built.items():
+            before = replayed_count[0]
+            got = list(loader)
+            if replayed_count[0] - before != len(batches):
+                raise SystemExit(f"{name}: the loader did not read the replayed batches (Zephon's stream start "
+                                 "changed?); the measurement would include Zephon")
+            same = len(got) == len(expected) and all(
+                a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                             for k in a) for a, b in zip(got, expected))
+            if not same:
+                raise SystemExit(f"{name}: the replayed pass differs from a live pass; the measurement would not "
+                                 "be of the loader's real work")
+
+        def through(loader: Any) -> Callable[[], int]:
+            def one_pass() -> int:
+                loader.set_epoch(0)
+                return sum(1 for _ in loader)
+            return one_pass
+
+        def to_training() -> int:
+            for batch in batches:
+                batch.to_training(return_labels=True, return_padding_mask=True)
+            return len(batches)
+
+        def direct() -> int:
+            iterator = iter(live_pipeline)
+            try:
+                return sum(1 for batch in iterator if batch.to_training(return_labels=True, return_padding_mask=True))
+            finally:
+                iterator.close()
+
+        with tempfile.TemporaryDirectory(prefix="bench_loader_") as work_dir:
+            live_pipeline = build_pipeline(cfg, work_dir=work_dir).pipeline
+            sides = {"direct (live Zephon + to_training)": direct, "to_training alone": to_training,
+                     **{name: through(loader) for name, loader in built.items()}}
+            per_batch: dict[str, list[float]] = {name: [] for name in sides}
+            for round_index in range(rounds):
+                names = list(sides)
+                names = names[round_index % len(names):] + names[: round_index % len(names)]
+                for name in names:
+                    start = time.perf_counter()
+                    count = sides[name]()
+                    per_batch[name].append((time.perf_counter() - start) / count * 1e6)
+    median = {name: statistics.median(times) for name, times in per_batch.items()}
+    print(f"{len(batches)} batches a pass, {rounds} rounds, medians per batch:")
+    for name, us in median.items():
+        print(f"  {name:36s} {us:9.1f} us")
+    direct_us, alone_us = median["direct (live Zephon + to_training)"], median["to_training alone"]
+    for name in built:
+        own = median[name] - alone_us
+        print(f"{name}: own cost {own:.1f} us a batch = {own / direct_us:.1%} of direct; "
+              f"ratio if none of it overlapped Zephon: {direct_us / (direct_us + own):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", type=Path, default=default_config_path())
@@ -112,6 +220,8 @@ def main() -> None:
     parser.add_argument("--shape", type=_shape, default=None, help="BxS: micro_batch_size x sequence_length")
     parser.add_argument("--stdlib-files", type=int, default=0,
                         help="read N Python standard library files (JSONL) instead of the config's sources")
+    parser.add_argument("--own-cost", action="store_true",
+                        help="the loader's own work per batch, over one pass of Zephon's batches replayed")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_loader_corpus_") as corpus_root:
         overrides: dict[str, Any] = {}
@@ -130,6 +240,11 @@ def main() -> None:
 def run(args: argparse.Namespace, cfg: Any) -> None:
     step = args.step_ms / 1000
     fit_tokenizer_threads()  # the loader's default, for both sides from the first round
+    if args.own_cost:
+        print(f"config {args.config}  shape {cfg.micro_batch_size}x{cfg.sequence_length}  runner {cfg.runtime.runner}"
+              f"  torch {torch.__version__}")
+        own_cost(cfg, args.rounds)
+        return
     print(f"config {args.config}  shape {cfg.micro_batch_size}x{cfg.sequence_length}  runner {cfg.runtime.runner}  "
           f"step {args.step_ms} ms  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  "
