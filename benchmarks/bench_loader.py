@@ -180,11 +180,15 @@ def own_cost(cfg: Any, rounds: int) -> None:
             return len(batches)
 
         def direct() -> int:
+            count = 0
             iterator = iter(live_pipeline)
             try:
-                return sum(1 for batch in iterator if batch.to_training(return_labels=True, return_padding_mask=True))
+                for batch in iterator:
+                    batch.to_training(return_labels=True, return_padding_mask=True)
+                    count += 1
             finally:
                 iterator.close()
+            return count
 
         with tempfile.TemporaryDirectory(prefix="bench_loader_") as work_dir:
             live_pipeline = build_pipeline(cfg, work_dir=work_dir).pipeline
