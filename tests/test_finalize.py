@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from packed_batches import assert_unchanged, clone_batch, packed_batches, reference_metadata
 from zephon_loader import fields as F
-from zephon_loader.finalize.final_map import FinalizeSettings, finalize_batch, finalize_collated
+from zephon_loader.finalize.final_map import FinalizeSettings, block_causal_mask, finalize_batch, finalize_collated
 from zephon_loader.contract import PackingContract
 
 CONTRACTS = [
@@ -205,3 +205,19 @@ def test_final_map_trusts_collate_and_finalize_batch_validates(monkeypatch):
     assert by_loader[F.CU_SEQLENS].tolist() == [[0, 2, 3]]
     finalize_batch(batch, settings_)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("high", [3, 2**15 - 1, 2**15, 2**16 + 1, 2**31 - 1, 2**31, 2**40])
+def test_block_causal_mask_is_exact_at_every_id_width(high):
+    """The mask compares ids in the narrowest integers that hold them (int16 / int32 / int64): ids at each
+    width's edge, and ids that would wrap onto one another in a narrower type (``high`` and ``high - 2**16``),
+    give exactly the int64 definition: same nonzero id and key column <= query column."""
+    row = [high, high, 0, max(1, high - 2**16), max(1, high - 2**16), high - 1 or 1, high]
+    ids = torch.tensor([row, [1, 1, 2, 2, 0, 0, 0]], dtype=torch.int64)
+    length = ids.shape[1]
+    expected = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != 0)
+    expected &= torch.ones(length, length, dtype=torch.bool).tril()
+    mask = block_causal_mask(ids)
+    assert mask.dtype == torch.bool and mask.shape == (2, 1, length, length)
+    assert torch.equal(mask[:, 0], expected)
+    assert torch.equal(block_causal_mask(ids.to(torch.int32) if high < 2**31 else ids), mask)
