@@ -61,6 +61,8 @@ from zephon_loader.nodes.source import _Stream
 from zephon_loader.pipeline.text import build_pipeline
 from zephon_loader.tokenizing import TOKENIZERS_PARALLELISM, fit_tokenizer_threads
 
+from timing import rotated  # benchmarks/ is on sys.path when run as a script
+
 
 def _config(config_path: Path, runner: str | None, **overrides: Any) -> Any:
     """The config both sides read: the file's, with ``overrides`` (shape, sources) and ``runner`` applied."""
@@ -196,9 +198,7 @@ def own_cost(cfg: Any, rounds: int) -> None:
                      **{name: through(loader) for name, loader in built.items()}}
             per_batch: dict[str, list[float]] = {name: [] for name in sides}
             for round_index in range(rounds):
-                names = list(sides)
-                names = names[round_index % len(names):] + names[: round_index % len(names)]
-                for name in names:
+                for name in rotated(list(sides), round_index):
                     start = time.perf_counter()
                     count = sides[name]()
                     per_batch[name].append((time.perf_counter() - start) / count * 1e6)
@@ -227,6 +227,9 @@ def main() -> None:
     parser.add_argument("--own-cost", action="store_true",
                         help="the loader's own work per batch, over one pass of Zephon's batches replayed")
     args = parser.parse_args()
+    if args.own_cost and (args.step_ms or args.passes != parser.get_default("passes")):
+        parser.error("--own-cost times one replayed pass a round with an empty consumer: "
+                     "it takes no --step-ms or --passes")
     with tempfile.TemporaryDirectory(prefix="bench_loader_corpus_") as corpus_root:
         overrides: dict[str, Any] = {}
         if args.shape is not None:
@@ -244,15 +247,13 @@ def main() -> None:
 def run(args: argparse.Namespace, cfg: Any) -> None:
     step = args.step_ms / 1000
     fit_tokenizer_threads()  # the loader's default, for both sides from the first round
-    if args.own_cost:
-        print(f"config {args.config}  shape {cfg.micro_batch_size}x{cfg.sequence_length}  runner {cfg.runtime.runner}"
-              f"  torch {torch.__version__}")
-        own_cost(cfg, args.rounds)
-        return
     print(f"config {args.config}  shape {cfg.micro_batch_size}x{cfg.sequence_length}  runner {cfg.runtime.runner}  "
           f"step {args.step_ms} ms  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}  "
           f"{TOKENIZERS_PARALLELISM}={os.environ.get(TOKENIZERS_PARALLELISM, '(unset)')}")
+    if args.own_cost:
+        own_cost(cfg, args.rounds)
+        return
     read_ahead = cfg.read_ahead
     sides = {
         "direct": lambda: direct_tokens_per_s(cfg, args.passes, step),
@@ -261,10 +262,7 @@ def run(args: argparse.Namespace, cfg: Any) -> None:
     }
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for round_index in range(args.rounds):
-        # Rotate which side goes first so machine noise and warm caches favour none.
-        names = list(sides)
-        names = names[round_index % len(names) :] + names[: round_index % len(names)]
-        for name in names:
+        for name in rotated(list(sides), round_index):
             rate, batches = sides[name]()
             rates[name].append(rate)
             print(f"  round {round_index}  {name:24s} {rate:12,.0f} tokens/s  ({batches} batches)")

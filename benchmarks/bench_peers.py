@@ -46,6 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench_first_batch import make_corpus  # benchmarks/ is on sys.path when run as a script
+from timing import rotated
 
 S, B = 2048, 8
 LOADERS = ("zephon_loader", "torchtitan", "automodel")
@@ -239,8 +240,7 @@ def main() -> None:
               f"contract {args.contract}; python {sys.version.split()[0]}")
         results: dict[str, list[dict]] = {name: [] for name in available}
         for round_index in range(args.rounds):
-            order = available[round_index % len(available):] + available[:round_index % len(available)]
-            for name in order:
+            for name in rotated(available, round_index):
                 result = run(name, corpus)
                 results[name].append(result)
                 print(f"  round {round_index} {name:14s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v

@@ -12,6 +12,13 @@ from typing import Callable
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """``names`` starting at position ``round_index`` (wrapping): the order of one round, so that across rounds
+    each side goes first equally often and machine noise and warm caches favour none."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn()`` over ``repeats`` calls, after one warm-up call."""
     fn()
