@@ -126,7 +126,7 @@ def packed_sequence_metadata_of(ids: torch.Tensor, high: int, *, contiguous: boo
     # its running sum is [0, c_1, c_1 + c_2, ...], i.e. cu_seqlens before absent ids are skipped.
     counts = torch.zeros(batch_size, high + 1, dtype=torch.int64, device=ids.device)
     index = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
-    counts.scatter_add_(1, index, torch.ones_like(index))
+    counts.scatter_add_(1, index, _ones(batch_size, sequence_length, ids.device))
     counts[:, 0] = 0
     if contiguous:  # the present ids are a prefix of 1 .. high: the running sum is in place, then -1
         cu_seqlens = counts.cumsum(dim=1, dtype=torch.int32)
@@ -152,6 +152,19 @@ def _columns(length: int, device: torch.device) -> torch.Tensor:
     if columns is None:
         columns = _COLUMNS[key] = torch.arange(length, device=device)
     return columns
+
+
+_ONES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _ones(batch_size: int, length: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[batch_size, length]`` of ones (a broadcast view of one element), made once per shape and device
+    (read only: the ``src`` of a scatter, never handed out)."""
+    key = (batch_size, length, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones(1, 1, dtype=torch.int64, device=device).expand(batch_size, length)
+    return ones
 
 
 def single_document_metadata(ids: torch.Tensor, valid: torch.Tensor) -> PackedSequenceMetadata:

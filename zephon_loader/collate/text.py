@@ -47,9 +47,10 @@ def _document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return zero
 
 
-def _ids_from_starts(starts: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """int64 ``[B, S]``: 1-based subdocument ids from bool starts, 0 at padding."""
-    return torch.cumsum(starts, dim=1, dtype=torch.int64).masked_fill_(padding_mask, 0)  # our own fresh tensor
+def _ids_from_starts(starts: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """int64 ``[B, S]``: 1-based subdocument ids from bool starts, 0 at padding (``None``: the batch has none)."""
+    ids = torch.cumsum(starts, dim=1, dtype=torch.int64)
+    return ids if padding_mask is None else ids.masked_fill_(padding_mask, 0)  # our own fresh tensor
 
 
 def _next_starts(starts: torch.Tensor, last_next_starts: torch.Tensor) -> torch.Tensor:
@@ -147,13 +148,13 @@ def _last_packed_position_is_zero(zephon_batch: Any) -> torch.Tensor:
     """Whether each packed row's final token (index ``S``, a label target only) has position 0 on every axis.
 
     ``to_training`` drops that token, so it is read from the records: one
-    scalar (or one per axis) per row, gathered in one stack, compared at once.
+    scalar (or one per axis) per row, compared at once in one NumPy call.
     """
-    last = np.stack([np.asarray(record.payload[Z.POSITIONS])[..., -1] for record in zephon_batch.records])
-    zero = last == 0
+    last = [np.asarray(record.payload[Z.POSITIONS])[..., -1] for record in zephon_batch.records]
+    zero = np.equal(last, 0)  # one array of the B values (or [B, A] for multi-axis positions)
     if zero.ndim > 1:
         zero = zero.all(axis=tuple(range(1, zero.ndim)))
-    return torch.from_numpy(np.ascontiguousarray(zero))
+    return torch.from_numpy(zero)
 
 
 def _pad_rows(result: dict[str, torch.Tensor], rows: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -338,8 +339,12 @@ def collate(
                                   "Check the Zephon version (0.2.x)."))
     labels, positions, padding = out[Z.LABELS], out[Z.POSITIONS], out[Z.PADDING_MASK]
     _check_positions(positions, f"to_training()[{Z.POSITIONS!r}]")
-    _check_padding_mask(padding, shape, f"to_training()[{Z.PADDING_MASK!r}]")
-    _check_padding_labels(labels, padding, f"to_training()[{Z.LABELS!r}]")
+    # Most packed batches have no padding at all: then the mask is trivially trailing and no label sits at
+    # padding, and one pass over the mask replaces the four of those checks (and the ids' padding fill).
+    padded = bool(padding.any())
+    if padded:
+        _check_padding_mask(padding, shape, f"to_training()[{Z.PADDING_MASK!r}]")
+        _check_padding_labels(labels, padding, f"to_training()[{Z.LABELS!r}]")
     cu = out.get(Z.CU_SEQLENS)
     if physical_cu_seqlens and (
         not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 2 or cu.shape[0] != shape[0]
@@ -349,7 +354,7 @@ def collate(
 
     # --- derive ------------------------------------------------------------------------
     starts = _document_starts(positions)
-    document_ids = _ids_from_starts(starts, padding)
+    document_ids = _ids_from_starts(starts, padding if padded else None)
     if mask_cross_document_labels:
         crossing = _next_starts(starts, _last_packed_position_is_zero(zephon_batch))
         labels = labels.masked_fill(crossing, F.IGNORE_INDEX)
