@@ -9,9 +9,10 @@ a tensor or array it did not create.
 
 Collate owns Zephon's output: it is the one place that checks it (dtypes,
 shapes, nonnegative positions, trailing padding, ``IGNORE_INDEX`` labels at
-padding), each with one cheap pass, and it derives ``document_ids`` so that
-they are well formed by construction. The final map trusts this
-(:func:`zephon_loader.finalize.final_map.finalize_collated`).
+padding), each with one cheap pass (the two padding checks with none when a
+pass over the mask finds no padding, as in most packed batches), and it
+derives ``document_ids`` so that they are well formed by construction. The
+final map trusts this (:func:`zephon_loader.finalize.final_map.finalize_collated`).
 
 Shapes: Zephon packs rows of ``S + 1`` tokens; after the shift every
 per-token field is ``[B, S]``.
@@ -340,7 +341,7 @@ def collate(
     labels, positions, padding = out[Z.LABELS], out[Z.POSITIONS], out[Z.PADDING_MASK]
     _check_positions(positions, f"to_training()[{Z.POSITIONS!r}]")
     # Most packed batches have no padding at all: then the mask is trivially trailing and no label sits at
-    # padding, and one pass over the mask replaces the four of those checks (and the ids' padding fill).
+    # padding, so one pass over the mask stands for those two checks (four tensor calls) and the ids' fill.
     padded = bool(padding.any())
     if padded:
         _check_padding_mask(padding, shape, f"to_training()[{Z.PADDING_MASK!r}]")
