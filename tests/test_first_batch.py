@@ -77,16 +77,21 @@ def test_other_folders_go_through_autotokenizer(tokenizer_dir, tmp_path, monkeyp
     assert calls, f"{edit}: the folder was loaded without AutoTokenizer"
 
 
-def _documents_before_first_batch(config, monkeypatch) -> int:
-    """Documents Zephon read and checked (validation samples left out) before the first batch."""
+def _read_calls_before_first_batch(config, monkeypatch) -> list[int]:
+    """The documents in each of Zephon's read calls up to the first batch (calls on Zephon's validation samples,
+    at the build and at the first ``iter``, left out: they hold none of the corpus' ``word0 doc`` texts)."""
     seen = []
     check = text_pipeline.CheckRawRecords.__call__
-    monkeypatch.setattr(text_pipeline.CheckRawRecords, "__call__",
-                        lambda self, elems: seen.append(len(elems)) or check(self, elems))
+
+    def recording(self, elems):
+        if elems and "word0 doc" in repr(elems[0]):
+            seen.append(len(elems))
+        return check(self, elems)
+
+    monkeypatch.setattr(text_pipeline.CheckRawRecords, "__call__", recording)
     with build_text_loader(config) as loader:
-        calls = len(seen)  # the build's validation of the operators on a few samples
         next(iter(loader))
-        return sum(seen[calls:])
+        return list(seen)
 
 
 def test_the_first_batch_waits_for_fewer_documents_than_zephons_default_call(tokenizer_dir, tmp_path, monkeypatch):
@@ -95,11 +100,14 @@ def test_the_first_batch_waits_for_fewer_documents_than_zephons_default_call(tok
     folder = tmp_path / "corpus"
     write_jsonl_shards(folder, [{"text": t} for t in texts], shards=1)
     config = text_config(folder, tokenizer_dir, sequence_length=64, micro_batch_size=2)
-    ours = _documents_before_first_batch(config, monkeypatch)
+    ours = _read_calls_before_first_batch(config, monkeypatch)
     monkeypatch.setattr(text_pipeline, "FETCH_RECORDS_PER_CALL", 64)  # Zephon's default
-    zephons = _documents_before_first_batch(config, monkeypatch)
-    # Zephon's read-ahead buffers are bounded but timing-dependent: only the order is asserted (measured 92 vs 164).
-    assert zephons >= 64 and ours < zephons, f"first batch after {ours} documents with 8 per read call, {zephons} with 64"
+    zephons = _read_calls_before_first_batch(config, monkeypatch)
+    # How many calls Zephon's read-ahead has made by the time the first batch arrives depends on thread timing
+    # (sums measured 92 vs 164 on an idle machine, 108 vs 100 on a loaded one), so only what every run shares is
+    # asserted: the first batch waits for the first read call, which holds 8 documents here and 64 at Zephon's default.
+    assert ours and max(ours) <= 8 and ours[0] == 8, f"read calls before the first batch: {ours}"
+    assert zephons and zephons[0] == 64, f"read calls at Zephon's default: {zephons}"
 
 
 def _tokenizer_calls(monkeypatch) -> dict:
