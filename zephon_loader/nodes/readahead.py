@@ -11,7 +11,7 @@ now would never produce it again. Instead of carrying the pulled batches in
 the state, the node takes now and then an *anchor*: the source's
 :meth:`~zephon_loader.nodes.source.ZephonSource.position` just before a pull
 (Zephon's local shard, no collective; a few ms, so at most every
-``ANCHOR_COST_RATIO`` times its own cost in wall time: 0.5% at most). Each
+``ANCHOR_COST_RATIO`` times its own cost in wall time: 0.2% at most). Each
 pulled batch remembers its anchor and, per lane, how many batches were pulled
 between the anchor and itself. A state is cut before the first batch not yet
 delivered: its anchor's checkpoint plus, per lane, those batches (delivered
@@ -100,7 +100,7 @@ class ReadAhead(BaseNode):
 
     SOURCE_KEY = "source"
     #: An anchor is taken once the wall time since the last one is this many times what the last one cost.
-    ANCHOR_COST_RATIO = 200
+    ANCHOR_COST_RATIO = 500
     #: ... or after this many pulls, whichever comes first (bounds what a resume re-reads).
     ANCHOR_MAX_PULLS = 256
 
