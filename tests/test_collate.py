@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ from zephon import SampleBatch, SampleMeta, SampleRecord
 
 from conftest import zephon_pipeline
 from zephon_loader import fields as F
-from zephon_loader.collate.text import collate, document_ids_from_positions, next_token_starts_document
+from zephon_loader.collate.text import TextCollate, collate, document_ids_from_positions, next_token_starts_document
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.zephon_compat import ZephonKeys
 
@@ -391,6 +392,30 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="eligibility"):
         collate(no_elig, mask_cross_document_labels=True, eligibility=True)
     assert F.ATTENTION_ELIGIBILITY not in collate(no_elig, mask_cross_document_labels=True)
+
+
+@pytest.mark.parametrize("kind", ["first_fit", "wrap"])
+def test_text_collate_checks_its_arguments_once_and_equals_collate(real_batches, kind):
+    arguments = dict(mask_cross_document_labels=True, eos_mask_loss=True, eos_token_id=2, physical_cu_seqlens=False,
+                     micro_batch_size=len(real_batches[kind][0].records) + 1, pad_token_id=0)
+    collator = TextCollate(**arguments)
+    collator = pickle.loads(pickle.dumps(collator))  # the loader's stages are picklable
+    for batch in real_batches[kind]:
+        got, want = collator(batch), collate(batch, **arguments)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+    with pytest.raises(TypeError, match="zephon.SampleBatch"):
+        collator({"input_ids": torch.zeros(1, 2)})
+    # Bad fixed arguments are refused at construction, as collate refuses them.
+    with pytest.raises(TypeError, match="mask_cross_document_labels"):
+        TextCollate(mask_cross_document_labels=None)
+    with pytest.raises(ValueError, match="eos_token_id: got None"):
+        TextCollate(mask_cross_document_labels=True, eos_mask_loss=True)
+    with pytest.raises(ValueError, match="pad_token_id: got None"):
+        TextCollate(mask_cross_document_labels=True, micro_batch_size=4)
+    with pytest.raises(TypeError, match="eligibility"):
+        TextCollate(mask_cross_document_labels=True, eligibility="yes")
 
 
 def test_physical_offsets_can_be_skipped(real_batches):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from zephon_loader.collate.image import collate_images
-from zephon_loader.collate.text import collate
+from zephon_loader.collate.text import TextCollate
 from zephon_loader.config import ImageLoaderConfig, ProcessorConfig, ProcessorTarget, TextLoaderConfig, instantiate
 from zephon_loader.config.reader import refuse_standard_library_target
 from zephon_loader.contract import PackingContract
@@ -144,8 +144,7 @@ class TextStage:
 
     def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
         cfg = self.cfg
-        return partial(
-            collate,
+        return TextCollate(  # its fixed arguments checked here, once
             mask_cross_document_labels=cfg.labels_mask_cross_document,
             eos_mask_loss=cfg.eos_mask_loss,
             eos_token_id=cfg.eos_token_id,

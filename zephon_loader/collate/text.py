@@ -30,7 +30,7 @@ from zephon_loader.attention import padding_is_trailing
 from zephon_loader.errors import described_error as _err
 from zephon_loader.zephon_compat import ZephonKeys as Z
 
-__all__ = ["collate", "document_ids_from_positions", "next_token_starts_document"]
+__all__ = ["TextCollate", "collate", "document_ids_from_positions", "next_token_starts_document"]
 
 
 def _describe(t: Any) -> str:
@@ -265,11 +265,15 @@ def collate(
         what this module expects (missing positions, wrong dtype/shape,
         non-trailing padding, unmasked padding labels).
     """
-    if not hasattr(zephon_batch, "to_training") or not hasattr(zephon_batch, "records"):
-        raise TypeError(
-            _err("zephon_batch", type(zephon_batch).__name__, "a zephon.SampleBatch",
-                 "Pass the batches a ZephonSource / zephon.Pipeline yields.")
-        )
+    _check_arguments(mask_cross_document_labels, eos_mask_loss, eos_token_id, eligibility, micro_batch_size,
+                     pad_token_id)
+    return _collate(zephon_batch, mask_cross_document_labels, eos_mask_loss, eos_token_id, eligibility,
+                    physical_cu_seqlens, micro_batch_size, pad_token_id)
+
+
+def _check_arguments(mask_cross_document_labels: Any, eos_mask_loss: Any, eos_token_id: Any, eligibility: Any,
+                     micro_batch_size: Any, pad_token_id: Any) -> None:
+    """:func:`collate`'s fixed arguments (checked once per loader by :class:`TextCollate`)."""
     if not isinstance(mask_cross_document_labels, bool):
         raise TypeError(_err("mask_cross_document_labels", repr(mask_cross_document_labels), "a bool",
                              "Pass True unless cross-document attention is on."))
@@ -288,6 +292,17 @@ def collate(
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(_err(name, repr(value), f"an int >= {low} when micro_batch_size is set",
                                       "Pass the loader's B and the pipeline's pad_token_id."))
+
+
+def _collate(zephon_batch: Any, mask_cross_document_labels: bool, eos_mask_loss: bool, eos_token_id: int | None,
+             eligibility: bool | None, physical_cu_seqlens: bool, micro_batch_size: int | None,
+             pad_token_id: int | None) -> dict[str, torch.Tensor]:
+    """:func:`collate` of checked arguments."""
+    if not hasattr(zephon_batch, "to_training") or not hasattr(zephon_batch, "records"):
+        raise TypeError(
+            _err("zephon_batch", type(zephon_batch).__name__, "a zephon.SampleBatch",
+                 "Pass the batches a ZephonSource / zephon.Pipeline yields.")
+        )
     records = zephon_batch.records
     if len(records) == 0:
         raise ValueError(_err("zephon_batch", "an empty batch", "at least one record",
@@ -378,3 +393,21 @@ def collate(
     if micro_batch_size is not None:
         result = _pad_rows(result, int(micro_batch_size), int(pad_token_id))
     return result
+
+
+class TextCollate:
+    """:func:`collate` with its fixed arguments checked once, at construction: what the loader runs per batch.
+
+    Picklable. Keyword arguments as :func:`collate`'s (``physical_cu_seqlens`` defaults to True there too).
+    """
+
+    def __init__(self, *, mask_cross_document_labels: bool, eos_mask_loss: bool = False,
+                 eos_token_id: int | None = None, eligibility: bool | None = None, physical_cu_seqlens: bool = True,
+                 micro_batch_size: int | None = None, pad_token_id: int | None = None) -> None:
+        _check_arguments(mask_cross_document_labels, eos_mask_loss, eos_token_id, eligibility, micro_batch_size,
+                         pad_token_id)
+        self.arguments = (mask_cross_document_labels, eos_mask_loss, eos_token_id, eligibility,
+                          bool(physical_cu_seqlens), micro_batch_size, pad_token_id)
+
+    def __call__(self, zephon_batch: Any) -> dict[str, torch.Tensor]:
+        return _collate(zephon_batch, *self.arguments)
