@@ -14,6 +14,7 @@ from zephon_loader.attention import (
     check_training_batch,
     enable_xdoc_attention,
     joined_positions,
+    joined_positions_of_runs,
     padding_is_trailing,
     require_supported_packing_contract,
 )
@@ -119,6 +120,57 @@ def test_joined_positions_exact_at_any_magnitude(batch, base):
     assert torch.equal(positions, snapshot)
     assert out.dtype == positions.dtype and out.shape == positions.shape
     assert torch.equal(out, reference_xdoc_positions(ids, positions))
+
+
+@settings(max_examples=150, deadline=None)
+@given(packed_batches(axes=(1,), eligibility=False), st.sampled_from([0, 9, 2**24, 2**31 - 60, 2**31]))
+def test_joined_positions_of_runs_equals_the_general_join(batch, base):
+    """collate's ids with text positions (each subdocument counting up from 0, the row's first one from ``base``:
+    a wrap continuation): one pass equals the per-subdocument maxima, or declines at 2**31 and past."""
+    from zephon_loader.collate.text import document_ids_from_positions
+
+    padding = batch[F.PADDING_MASK]
+    positions = batch[F.POSITION_IDS].clone()
+    first = batch[F.DOCUMENT_IDS] == 1
+    positions[first] += base
+    ids = document_ids_from_positions(positions, padding)
+    snapshot = positions.clone()
+    fast = joined_positions_of_runs(ids, positions)
+    assert torch.equal(positions, snapshot)
+    if int(positions.max()) >= 2**31:
+        assert fast is None
+        return
+    assert fast is not None, "rows that count up must take the one-pass join"
+    assert fast.dtype == torch.int64 and fast.shape == positions.shape
+    assert torch.equal(fast, joined_positions(ids, positions))
+    assert torch.equal(fast, reference_xdoc_positions(ids, positions))
+
+
+@pytest.mark.parametrize("positions, padded, reason", [
+    ([[0, 1, 3, 0, 1]], 0, "a position that skips one"),
+    ([[0, 1, 1, 0, 1]], 0, "a position that repeats"),
+    ([[5, 4, 0, 1, 0]], 0, "a position that counts down"),
+    ([[0, 1, 2, 7, 9]], 2, "padding not numbered as a run"),
+])
+def test_joined_positions_of_runs_declines_other_rows(positions, padded, reason):
+    from zephon_loader.collate.text import document_ids_from_positions
+
+    positions = torch.tensor(positions)
+    padding = torch.zeros(1, 5, dtype=torch.bool)
+    padding[:, 5 - padded:] = True
+    ids = document_ids_from_positions(positions, padding)
+    assert joined_positions_of_runs(ids, positions) is None, reason
+    assert joined_positions_of_runs(ids, positions.unsqueeze(0).expand(3, 1, 5)) is None  # multi-axis
+    assert joined_positions_of_runs(ids[:, :1], positions[:, :1]) is None  # one column
+
+
+def test_joined_positions_of_runs_keeps_padding_positions():
+    positions = torch.tensor([[3, 4, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5]])
+    padding = torch.tensor([[False] * 4 + [True] * 2, [False] * 6])
+    from zephon_loader.collate.text import document_ids_from_positions
+
+    ids = document_ids_from_positions(positions, padding)
+    assert joined_positions_of_runs(ids, positions).tolist() == [[3, 4, 5, 6, 0, 1], [0, 1, 2, 3, 4, 5]]
 
 
 def test_joined_positions_falls_back_exactly_where_float32_rounds():

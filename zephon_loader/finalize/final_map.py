@@ -32,7 +32,7 @@ import torch
 
 from zephon_loader import fields as F
 from zephon_loader.attention import (attention_document_ids, check_training_batch, joined_positions,
-                                     require_supported_packing_contract)
+                                     joined_positions_of_runs, require_supported_packing_contract)
 from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, DEFAULT_PACKED_SEQUENCE_CONTRACT, PackingContract
 from zephon_loader.packing import (compact_left, document_lengths, packed_sequence_metadata_of,
                                    single_document_metadata)
@@ -375,7 +375,10 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
         if eligibility is not None:
             member &= eligibility
         work[F.ATTENTION_DOCUMENT_IDS] = member.to(torch.int64)
-        work[F.POSITION_IDS] = joined_positions(document_ids, work[F.POSITION_IDS])
+        positions = work[F.POSITION_IDS]
+        # collate's ids start exactly where positions restart: rows that count up join in one pass.
+        joined = joined_positions_of_runs(document_ids, positions) if _validated else None
+        work[F.POSITION_IDS] = joined if joined is not None else joined_positions(document_ids, positions)
     else:
         work[F.ATTENTION_DOCUMENT_IDS] = attention_document_ids(work[F.DOCUMENT_IDS], work.get(F.ATTENTION_ELIGIBILITY))
     ids: torch.Tensor = work[F.ATTENTION_DOCUMENT_IDS]
