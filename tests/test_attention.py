@@ -18,6 +18,7 @@ from zephon_loader.attention import (
     padding_is_trailing,
     require_supported_packing_contract,
 )
+from zephon_loader.collate.text import document_ids_from_positions
 from zephon_loader.contract import PackingContract
 
 DOCS = PackingContract("document_ids", True)
@@ -127,8 +128,6 @@ def test_joined_positions_exact_at_any_magnitude(batch, base):
 def test_joined_positions_of_runs_equals_the_general_join(batch, base):
     """collate's ids with text positions (each subdocument counting up from 0, the row's first one from ``base``:
     a wrap continuation): one pass equals the per-subdocument maxima, or declines at 2**31 and past."""
-    from zephon_loader.collate.text import document_ids_from_positions
-
     padding = batch[F.PADDING_MASK]
     positions = batch[F.POSITION_IDS].clone()
     first = batch[F.DOCUMENT_IDS] == 1
@@ -153,8 +152,6 @@ def test_joined_positions_of_runs_equals_the_general_join(batch, base):
     ([[0, 1, 2, 7, 9]], 2, "padding not numbered as a run"),
 ])
 def test_joined_positions_of_runs_declines_other_rows(positions, padded, reason):
-    from zephon_loader.collate.text import document_ids_from_positions
-
     positions = torch.tensor(positions)
     padding = torch.zeros(1, 5, dtype=torch.bool)
     padding[:, 5 - padded:] = True
@@ -167,8 +164,6 @@ def test_joined_positions_of_runs_declines_other_rows(positions, padded, reason)
 def test_joined_positions_of_runs_keeps_padding_positions():
     positions = torch.tensor([[3, 4, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5]])
     padding = torch.tensor([[False] * 4 + [True] * 2, [False] * 6])
-    from zephon_loader.collate.text import document_ids_from_positions
-
     ids = document_ids_from_positions(positions, padding)
     assert joined_positions_of_runs(ids, positions).tolist() == [[3, 4, 5, 6, 0, 1], [0, 1, 2, 3, 4, 5]]
 

@@ -20,6 +20,7 @@ import torch
 
 from zephon_loader import fields as F
 from zephon_loader.contract import DEFAULT_BLOCK_MASK_BUDGET_BYTES, PackingContract, validate_packing_contract
+from zephon_loader.packing import _columns
 
 #: Collated CPU tensors; AutoModel aliases are applied only when yielding.
 #:
@@ -340,11 +341,11 @@ def joined_positions_of_runs(document_ids: torch.Tensor, position_ids: torch.Ten
     """:func:`joined_positions` for ``collate``'s ids when every row counts up by one: else ``None``.
 
     With ids that start a new subdocument exactly where the position is 0 (or at column 0), as ``collate``
-    derives them, and positions that count up by one inside each subdocument (Zephon's text rows), every
-    subdocument continues the one before it at ``offset + max + 1 = `` the previous joined position ``+ 1``:
+    derives them, and positions that count up by one inside each subdocument (Zephon's text rows), each
+    subdocument's offset (``offset + max + 1`` of the one before) is the previous joined position plus one:
     a row's joined positions are its column-0 position plus the column, padding (id 0) left as it is. That
-    is proved here in four int32 passes and built in one, instead of the general per-subdocument maxima
-    (~2x faster at [8, 8192]). Any other rows (a position that neither counts up nor restarts at 0, positions
+    is proved with one int64 maximum and a few int32 elementwise passes and built with one add, instead of
+    the general per-subdocument maxima (~2x faster at [8, 8192]). Any other rows (a position that neither counts up nor restarts at 0, positions
     at or past 2**31, multi-axis positions, a single column) return ``None``: call :func:`joined_positions`.
 
     Args:
@@ -365,8 +366,7 @@ def joined_positions_of_runs(document_ids: torch.Tensor, position_ids: torch.Ten
     stray = torch.minimum(following.sub(narrow[:, :-1]).sub_(1).abs_(), following)
     if int(stray.max()) > 0:
         return None
-    columns = torch.arange(position_ids.shape[1], dtype=torch.int64, device=position_ids.device)
-    joined = position_ids[:, :1] + columns
+    joined = position_ids[:, :1] + _columns(position_ids.shape[1], position_ids.device)
     if bool(document_ids[:, -1].all()):  # padding is trailing: no row ends in padding, so none has any
         return joined
     return torch.where(document_ids.bool(), joined, position_ids)
