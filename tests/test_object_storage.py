@@ -193,22 +193,23 @@ def test_bad_records_on_s3_are_located_by_url_and_line_and_counted(s3, tmp_path,
 
 
 def test_a_short_outage_mid_run_is_ridden_out_and_the_stream_is_unchanged(s3, tmp_path, corpus_texts, tokenizer_dir):
-    """The store goes away for 3 s after the first batch (every connection turned away, the open ones cut):
-    Zephon's retries carry the run through; the loader met the outage (connections were turned away) and
-    delivers the same batches as without it."""
+    """The store goes away for 3 s once the loader is built, before it reads a shard (every connection turned
+    away, the ones the build left open cut): Zephon's retries carry the run through; the loader met the outage
+    (connections were turned away) and delivers the same batches as without it.
+
+    Not after the first batch: by then Zephon's read-ahead may have read every shard of this small corpus
+    (a busy run once met no outage at all), and the test would prove nothing."""
     local = write_parquet_shards(tmp_path / "web", records(corpus_texts * 4), shards=16)
     remote = s3.upload(local, "outage", "web")
     with build_text_loader(config(local, tokenizer_dir=tokenizer_dir)) as loader:
         expected = collect(loader)
     with build_text_loader(config(remote, tokenizer_dir=tokenizer_dir)) as loader:
-        stream = iter(loader)
-        got = [next(stream)]
         refused = s3.relay.refused
         s3.relay.down()
         timer = threading.Timer(3.0, s3.relay.up)
         timer.start()
         try:
-            got += list(stream)
+            got = list(loader)
         finally:
             timer.cancel()
             s3.relay.up()
@@ -220,17 +221,17 @@ def test_a_store_gone_for_good_fails_with_one_line_naming_the_url_within_a_bound
                                                                                tokenizer_dir):
     """Before the fix Zephon's defaults retried for about three minutes; now the loader bounds the retries: the
     run fails (measured 25-55 s here; bound 240 s for a busy machine) naming the URL and what to check, with
-    no credential in the message. A build while the store is down fails the same way."""
+    no credential in the message. A build while the store is down fails the same way. The store goes once the
+    loader is built, before it reads a shard (after the first batch, Zephon's read-ahead may already have read
+    every shard of this small corpus: the run would then not fail)."""
     local = write_parquet_shards(tmp_path / "web", records(corpus_texts * 4), shards=16)
     remote = s3.upload(local, "gone", "web")
     try:
         with build_text_loader(config(remote, tokenizer_dir=tokenizer_dir)) as loader:
-            stream = iter(loader)
-            next(stream)
             s3.relay.down()
             started = time.monotonic()
             with pytest.raises(ValueError) as failed:
-                list(stream)
+                list(loader)
             assert time.monotonic() - started < 240
         message = str(failed.value)
         assert "s3://gone/web" in message and "S3_ENDPOINT_URL" in message and "Check" in message
