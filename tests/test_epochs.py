@@ -201,3 +201,77 @@ def test_automodels_step_scheduler_reaches_the_loader_through_its_sampler(jsonl_
         assert _same(_pass(loader), epoch0)
         step_scheduler.StepScheduler.set_epoch(SimpleNamespace(dataloader=loader), 1)
         assert _same(_pass(loader), epoch1)
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_set_epoch_after_iter_and_before_the_first_batch_restarts_that_pass_as_the_chosen_epoch(
+        jsonl_sources, tokenizer_dir, read_ahead):
+    """Trainers call iter() first and set_epoch() after (Lightning); until a batch came out, the pass follows it.
+    After a batch came out the pass goes on, and the choice is the next pass's."""
+    config = _config(jsonl_sources, tokenizer_dir, read_ahead=read_ahead)
+    with build_text_loader(config) as loader:
+        loader.set_epoch(1)
+        epoch_1 = _pass(loader)
+        loader.set_epoch(2)
+        epoch_2 = _pass(loader)
+    with build_text_loader(config) as loader:
+        batches = iter(loader)
+        loader.set_epoch(1)  # nothing yielded yet: this pass is epoch 1
+        assert loader.epoch == 1
+        assert _same([_rows(b) for b in batches], epoch_1)
+        batches = iter(loader)  # after an ended pass: epoch 2 by itself
+        first = _rows(next(batches))
+        loader.set_epoch(5)  # a batch came out: the pass goes on; epoch 5 is the next pass's
+        assert _same([first] + [_rows(b) for b in batches], epoch_2)
+        assert loader.epoch == 2
+        batches = iter(loader)
+        assert loader.epoch == 5
+
+
+def test_set_epoch_before_the_first_batch_of_a_resumed_pass_starts_that_epoch_fresh(jsonl_sources, tokenizer_dir):
+    """A trainer that loaded a mid-pass state and then moves on to another epoch (Lightning at the last batch of
+    limit_train_batches) gets that epoch from its start; the same epoch keeps the resumed position."""
+    config = _config(jsonl_sources, tokenizer_dir)
+    with build_text_loader(config) as loader:
+        reference = _pass(loader)
+        loader.set_epoch(1)
+        epoch_1 = _pass(loader)
+    with build_text_loader(config) as loader:
+        batches = iter(loader)
+        next(batches), next(batches)
+        state = loader.state_dict()
+    with build_text_loader(config) as loader:
+        loader.load_state_dict(state)
+        batches = iter(loader)
+        loader.set_epoch(0)  # the state's epoch: the resume stands
+        assert _same([_rows(b) for b in batches], reference[2:])
+    with build_text_loader(config) as loader:
+        loader.load_state_dict(state)
+        batches = iter(loader)
+        loader.set_epoch(1)
+        assert _same([_rows(b) for b in batches], epoch_1)
+
+
+def test_note_consumed_counts_from_where_the_pass_started(jsonl_sources, tokenizer_dir):
+    """note_consumed(): one more batch trained, counted from the pass's start (0, or the resumed state's count)."""
+    config = _config(jsonl_sources, tokenizer_dir)
+    with build_text_loader(config) as loader:
+        reference = _pass(loader)
+    with build_text_loader(config) as loader:
+        batches = iter(loader)
+        for _ in range(2):  # a consumer one batch behind next(), as Lightning's fetcher is
+            next(batches)
+            loader.note_consumed()
+        next(batches)  # 2 trained, 3 pulled
+        state = loader.state_dict()
+    with build_text_loader(config) as loader:
+        loader.load_state_dict(state)
+        batches = iter(loader)
+        next(batches), next(batches)
+        loader.note_consumed()  # 3 of the pass trained, 4 pulled
+        again = loader.state_dict()
+        with pytest.raises(ValueError, match=r"set_consumed: got 5, expected an int in \[3, 4\]"):
+            loader.note_consumed(2)
+    with build_text_loader(config) as loader:
+        loader.load_state_dict(again)
+        assert _same(_pass(loader), reference[3:])

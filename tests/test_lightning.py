@@ -74,12 +74,23 @@ def test_mid_epoch_resume_continues_at_the_next_untrained_batch(tmp_path, uninte
     assert len(uninterrupted) == 2 * per_epoch
 
 
-def test_without_the_callback_lightnings_prefetch_makes_the_resume_one_batch_late(tmp_path, uninterrupted):
-    """Why the callback exists: Lightning saves the loader's state with one batch already fetched ahead."""
+def test_without_the_callback_the_loader_adds_it_and_the_resume_is_exact(tmp_path, uninterrupted):
+    """Lightning's fetcher pulls a batch ahead: the callback keeps the saved state at the trained batches. A user
+    who forgets it gets it anyway (the training loader adds it at its first iter()), and the run logs that."""
     head = run(tmp_path, "stop", max_epochs=2, stop=7, callback=False)
     tail = run(tmp_path, "resume", max_epochs=2, stop=7, callback=False)
-    assert head == uninterrupted[:7]
-    assert [step[2] for step in tail[:3]] == [step[2] for step in uninterrupted[8:11]]  # batch 8 (index 7) skipped
+    assert head + tail == uninterrupted
+
+
+def test_the_callback_is_added_once_to_the_trainer_that_trains_the_loader(tmp_path, caplog):
+    module = W.TinyLM()
+    fit = W.trainer(tmp_path, max_epochs=1, devices=1, limit_train_batches=2, limit_val_batches=1)
+    fit.callbacks[:] = [c for c in fit.callbacks if not isinstance(c, ZephonLoaderCallback)]
+    with caplog.at_level("INFO", logger="zephon_loader.integrations.lightning"), \
+            build_text_loader(config()) as train, build_text_loader(config(shuffle=False, mixture="once")) as val:
+        fit.fit(module, train_dataloaders=train, val_dataloaders=val)
+    assert sum(isinstance(c, ZephonLoaderCallback) for c in fit.callbacks) == 1
+    assert "added ZephonLoaderCallback" in caplog.text
 
 
 def test_the_callback_finds_loaders_in_every_shape_lightning_holds_them():

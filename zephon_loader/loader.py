@@ -20,6 +20,7 @@ The ``torchdata.nodes`` graph, one direction::
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterator, Mapping
@@ -172,6 +173,10 @@ class ZephonLoader:
         self._exhausted = False  # the last pass ended: the next iter() starts the next epoch
         self._epoch_chosen = False  # set_epoch() was called since: it decides the next epoch
         self._consumed: int | None = None  # set_consumed(): batches of this pass the consumer has taken
+        self._pass_base = 0  # batches of the pass counted when it started (a resumed pass: those before the state)
+        self._pass_delivered = 0  # batches next() returned since the pass started
+        self._pass_resumed = False  # the pass continues a loaded state's
+        self._pass_carry: list[dict[str, Any]] | None = None  # what the pass began with after an ended pass
         self._single_rank_by_default = single_rank_by_default
         self._even_passes = even_passes
         self._agreement: PassAgreement | None = None  # made at the first iter() in a multi-rank process group
@@ -183,7 +188,23 @@ class ZephonLoader:
     RETAINED_BATCHES = 1
 
     def __len__(self) -> int:
-        raise TypeError("ZephonLoader has no len(): the number of packed batches is not known before iterating")
+        raise TypeError(
+            "ZephonLoader has no len(): the number of packed batches is not known before iterating. Train by "
+            "steps or by passes; with transformers' Trainer use zephon_loader.hf.ZephonTrainer(train_loader="
+            "loader, ...) instead of Trainer(train_dataset=loader) (the Trainer would batch the batches again)"
+        )
+
+    @property
+    def dataset(self) -> Any:
+        """Absent: Zephon reads and deals the records. The ``AttributeError`` names what a caller should do."""
+        raise AttributeError(
+            "ZephonLoader has no dataset: Zephon reads, packs and deals the records, so there is no dataset to "
+            "rebuild a DataLoader from. If this comes from accelerate's skip_first_batches (or a Trainer's "
+            "resume that calls it): the loader resumes itself from its state (zephon_loader.accelerate."
+            "checkpoint_loaders, or zephon_loader.hf.ZephonTrainer): drop that call, skipping again would skip "
+            "batches twice. If it comes from transformers' Trainer: use zephon_loader.hf.ZephonTrainer"
+            "(train_loader=loader, ...)"
+        )
 
     def __repr__(self) -> str:
         fp = self.fingerprint
@@ -201,39 +222,54 @@ class ZephonLoader:
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        _trainer_hooks(self)  # Lightning / Accelerate: what they need of the loader (see _trainer_hooks)
         with self._consume_lock, self._state_lock:
             self._check_open()
             self._check_ranks()
             pending, self._pending = self._pending, None
-            # Resume inside a pass, or start one: after an ended pass (this loader's, or the loaded state's)
-            # the next epoch, unless set_epoch chose one.
-            resume = pending is not None and not pending.pass_ended
-            if self._stats is not None and resume:  # deliveries count per pass
-                self._stats.load_state_dict(pending.stats)
-            elif self._stats is not None:
-                self._stats.reset()
             if self._even_passes and self._agreement is None:
                 self._agreement = PassAgreement.for_job()
-            self._pass_over = False
             self._generation += 1
-            self._started = False
-            if not resume:
-                ended_epoch = pending.epoch if pending is not None else self._source.epoch
-                if (pending is not None or self._exhausted) and not self._epoch_chosen:
-                    self._source.set_epoch(ended_epoch + 1)
-                if pending is not None:  # an ended pass: what the ranks had left comes first
-                    self._source.set_carry(pending.carry)
-                self._read_ahead.reset(None)
-            else:
-                source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip,
-                                ZephonSource.CARRIED_KEY: pending.carried, ZephonSource.CARRY_KEY: pending.carry}
-                if pending.epoch:
-                    source_state[ZephonSource.EPOCH_KEY] = pending.epoch
-                self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
-            self._exhausted = self._epoch_chosen = False
-            self._consumed = None
-            self._started = True
+            # A new pass after an ended one carries in what the ranks had left (an ended loaded state's carry, or
+            # the agreement's): kept so that set_epoch() before the first batch can restart the pass with it.
+            after_end = pending.pass_ended if pending is not None else self._exhausted
+            carry = pending.carry if pending is not None else None
+            self._pass_carry = (carry if carry is not None else self._source.pending_carry) if after_end else None
+            self._start_pass(pending)
             return _Pass(self, self._generation)
+
+    def _start_pass(self, pending: LoaderState | None) -> None:
+        """Position the source for a pass: resume inside ``pending``'s pass, or start an epoch from its beginning.
+
+        After an ended pass (this loader's, or the loaded state's) the next epoch, unless ``set_epoch`` chose
+        one. Called with both locks held.
+        """
+        resume = pending is not None and not pending.pass_ended
+        if self._stats is not None and resume:  # deliveries count per pass
+            self._stats.load_state_dict(pending.stats)
+        elif self._stats is not None:
+            self._stats.reset()
+        self._pass_over = False
+        self._started = False
+        if not resume:
+            ended_epoch = pending.epoch if pending is not None else self._source.epoch
+            if (pending is not None or self._exhausted) and not self._epoch_chosen:
+                self._source.set_epoch(ended_epoch + 1)
+            if self._pass_carry is not None:  # an ended pass: what the ranks had left comes first
+                self._source.set_carry(self._pass_carry)
+            self._read_ahead.reset(None)
+        else:
+            source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip,
+                            ZephonSource.CARRIED_KEY: pending.carried, ZephonSource.CARRY_KEY: pending.carry}
+            if pending.epoch:
+                source_state[ZephonSource.EPOCH_KEY] = pending.epoch
+            self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
+        self._exhausted = self._epoch_chosen = False
+        self._consumed = None
+        self._pass_resumed = resume
+        self._pass_base = self._stats.batches if self._stats is not None else 0
+        self._pass_delivered = 0
+        self._started = True
 
     def _next(self, generation: int) -> dict[str, Any]:
         me = threading.get_ident()
@@ -273,6 +309,7 @@ class ZephonLoader:
             except StopIteration:
                 self._exhausted = True
                 raise
+            self._pass_delivered += 1
             counts = batch.pop(F.SOURCE_COUNTS, None)
             if self._stats is not None and counts is not None:
                 epoch = self._read_ahead.last_key[0] if self._read_ahead.last_key else self._source.epoch
@@ -334,15 +371,21 @@ class ZephonLoader:
         Each epoch reads every source once in an order derived from ``(seed,
         epoch)``: the same on every run, rank and data-parallel size. A state
         loaded with :meth:`load_state_dict` takes precedence (it carries its
-        own epoch). Does not disturb a pass in progress.
+        own epoch). Does not disturb a pass that has yielded a batch; a pass
+        that ``iter()`` started but that has yielded nothing yet (trainers
+        call ``iter()`` first, then ``set_epoch``) restarts as epoch
+        ``epoch`` from its beginning, keeping what an ended pass carried in.
 
         Raises:
             ValueError: Not an int >= 0.
         """
-        with self._state_lock:
+        with self._consume_lock, self._state_lock:
             self._check_open()
             self._source.set_epoch(epoch)
             self._epoch_chosen = True
+            if (self._started and not self._pass_delivered and not self._exhausted and not self._pass_over
+                    and epoch != self._source.epoch):
+                self._start_pass(None)  # the iterator iter() returned stays valid: it reads the new start
 
     def stats(self) -> dict[str, Any]:
         """What this loader delivered and dropped, per source and reason (:meth:`LoaderStats.snapshot`).
@@ -431,6 +474,21 @@ class ZephonLoader:
                     "consumer may be at most that many batches behind next()"
                 )
             self._consumed = count
+
+    def note_consumed(self, count: int = 1) -> None:
+        """Say that the training loop has taken ``count`` more batches of the current pass (a trainer hook).
+
+        :meth:`set_consumed` counted from where the pass started: 0 for a new
+        pass, the batches before the state for a resumed one. Lightning's
+        :class:`~zephon_loader.integrations.lightning.ZephonLoaderCallback`
+        calls it at every training batch (Lightning's own ``batch_idx`` does
+        not restart after a resume at an epoch's last batch).
+
+        Raises:
+            ValueError, RuntimeError: As :meth:`set_consumed`.
+        """
+        with self._state_lock:
+            self.set_consumed((self._consumed if self._consumed is not None else self._pass_base) + count)
 
     def state_dict(self) -> dict[str, Any]:
         """The exact position of the training loop: :meth:`LoaderState.to_dict <zephon_loader.state.LoaderState.to_dict>`.
@@ -613,3 +671,22 @@ def _release(read_ahead: ReadAhead, source: ZephonSource, on_close: Callable[[],
     finally:
         if on_close is not None:
             on_close()
+
+
+def _trainer_hooks(loader: ZephonLoader) -> None:
+    """At ``iter()``: what a trainer already imported in this process needs of the loader.
+
+    Lightning: its fetcher pulls a batch ahead, so its training loaders need
+    :class:`~zephon_loader.integrations.lightning.ZephonLoaderCallback` (added
+    to the trainer when missing). Accelerate: refuse settings the loader cannot
+    honour, warn when ``save_state`` would not save the loader. Neither is
+    imported unless the user's program already did.
+    """
+    if "lightning.pytorch" in sys.modules:
+        from zephon_loader.integrations.lightning import attach_to_trainer
+
+        attach_to_trainer(loader)
+    if "accelerate" in sys.modules:
+        from zephon_loader.integrations.accelerate import check_under_accelerator
+
+        check_under_accelerator(loader)

@@ -471,17 +471,22 @@ WINDOW_WARNINGS = {
         "delivered exactly once; the rows left in that window come in another order than at the old size."
     ),
 }
+_TAKEN = "[zephon] Checkpoint taken mid-window"
 _explained: set[str] = set()
 _explained_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def explained_window_warnings() -> Iterator[None]:
+def explained_window_warnings(taken: bool = True) -> Iterator[None]:
     """Replace Zephon's mid-window checkpoint warnings raised inside with :data:`WINDOW_WARNINGS` (each once
     per process); every other warning is re-issued as it was.
 
     Zephon words them for its own engine ("will permute the remainder of the current global window"), which a
     user reads as "my data order changes": the loader says what a resume guarantees instead.
+
+    Args:
+        taken: Explain "checkpoint taken mid-window"; ``False`` drops it (a checkpoint the loader takes for
+            itself, e.g. what the ranks carry into the next pass, is no state of the user's).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -489,6 +494,8 @@ def explained_window_warnings() -> Iterator[None]:
     for record in caught:
         text = str(record.message)
         prefix = next((p for p in WINDOW_WARNINGS if text.startswith(p)), None)
+        if prefix == _TAKEN and not taken:
+            continue
         if prefix is None:
             warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
             continue

@@ -21,18 +21,35 @@ atomically (a full disk leaves the previous file whole)::
     ...
     accelerator.save_state("ckpt/step_100")                # model, optimizer, RNG, and each loader
     accelerator.load_state("ckpt/step_100")                # in a new run: the next batch is batch 101
+
+``accelerator.register_for_checkpointing(loader)`` works too (Accelerate
+saves the main process's state, which resumes any process: every rank's
+state is the job's). What the loader checks when it is iterated under an
+``Accelerator`` (found in the calling frames):
+
+* ``DataLoaderConfiguration(split_batches=True)`` or ``dispatch_batches=True``
+  is refused: Accelerate applies them to its own ``DataLoader`` s only, so
+  each process would still read ``micro_batch_size`` rows of its own lane.
+* A loader neither hooked nor registered gets one warning: ``save_state``
+  would not save its position, and ``load_state`` would restart it.
+* ``accelerator.skip_first_batches(loader, n)`` is refused with the fix
+  (``AttributeError`` naming it): the loader resumes itself; skipping again
+  would skip twice.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.state import write_json_atomically
 
-__all__ = ["STATE_FILE", "checkpoint_loaders"]
+__all__ = ["STATE_FILE", "check_under_accelerator", "checkpoint_loaders"]
 
 #: File of loader ``index``'s state for process ``rank`` inside a ``save_state`` folder.
 STATE_FILE = "zephon_loader_{index}_rank{rank}.json"
@@ -55,6 +72,8 @@ def checkpoint_loaders(accelerator: Any, *loaders: ZephonLoader) -> list[Any]:
         if not isinstance(loader, ZephonLoader):
             raise TypeError(f"checkpoint_loaders: loader {index} is {type(loader).__name__}, expected a ZephonLoader "
                             "(Accelerate checkpoints its own DataLoaders itself)")
+    _check_batch_settings(accelerator)
+    checkpointed.update(loaders)
 
     def path(folder: str, index: int) -> Path:
         return Path(folder) / STATE_FILE.format(index=index, rank=accelerator.process_index)
@@ -76,3 +95,66 @@ def checkpoint_loaders(accelerator: Any, *loaders: ZephonLoader) -> list[Any]:
 
     return [accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)]
 
+
+
+#: Loaders whose position something saves and restores (checkpoint_loaders, ZephonTrainer): not warned about.
+checkpointed: "weakref.WeakSet[ZephonLoader]" = weakref.WeakSet()
+#: Loaders already warned about (once each).
+_warned: "weakref.WeakSet[ZephonLoader]" = weakref.WeakSet()
+#: How far up the stack ``check_under_accelerator`` looks for the user's ``Accelerator``.
+_STACK_DEPTH = 12
+
+
+def check_under_accelerator(loader: ZephonLoader) -> None:
+    """Called by ``iter(loader)`` when ``accelerate`` is imported: the checks of the module docstring.
+
+    The ``Accelerator`` is found among the local variables (or a ``self``'s
+    ``accelerator`` attribute) of the frames that called ``iter()``; none
+    found, nothing is checked.
+
+    Raises:
+        ValueError: ``split_batches`` or ``dispatch_batches`` set on that accelerator.
+    """
+    accelerator = _calling_accelerator(sys._getframe(2))
+    if accelerator is None:
+        return
+    _check_batch_settings(accelerator)
+    if loader in checkpointed or loader in _warned or any(obj is loader for obj in getattr(accelerator, "_custom_objects", [])):
+        return
+    _warned.add(loader)
+    warnings.warn(
+        "zephon_loader: this ZephonLoader is iterated under an accelerate.Accelerator that does not checkpoint it: "
+        "accelerator.save_state() will not save its position, and load_state() will leave it at the start of "
+        "the stream (its batches would repeat). Call zephon_loader.accelerate.checkpoint_loaders(accelerator, "
+        "loader) once after prepare()",
+        RuntimeWarning, stacklevel=4,
+    )
+
+
+def _check_batch_settings(accelerator: Any) -> None:
+    for name in ("split_batches", "dispatch_batches"):
+        if getattr(accelerator, name, None) is True:
+            raise ValueError(
+                f"accelerate {name}: got True, expected False or unset with a ZephonLoader; Accelerate applies it "
+                "to its own DataLoaders only, so every process would still read micro_batch_size rows of its own "
+                "Zephon lane (the global batch would not be what you configured). Set the loader's "
+                "micro_batch_size to the rows each process should get, and leave "
+                f"DataLoaderConfiguration({name}=...) unset"
+            )
+
+
+def _calling_accelerator(frame: Any) -> Any:
+    """The first ``accelerate.Accelerator`` among the callers' local variables (or ``self.accelerator``)."""
+    from accelerate import Accelerator
+
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, Accelerator):
+                return value
+            nested = getattr(value, "accelerator", None) if not isinstance(value, type) else None
+            if isinstance(nested, Accelerator):
+                return nested
+        frame = frame.f_back
+    return None

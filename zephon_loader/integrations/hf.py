@@ -71,6 +71,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from zephon_loader import fields as F
 from zephon_loader.errors import field_error
+from zephon_loader.integrations.accelerate import checkpointed
 from zephon_loader.loader import ZephonLoader
 from zephon_loader.state import write_json_atomically
 
@@ -84,6 +85,9 @@ STATE_FILE = "zephon_loader_state_rank{rank}.json"
 STATE_FORMAT = "zephon_loader.hf_trainer_state/1"
 #: Trainer checkpoint file holding the step (written by the Trainer itself).
 _TRAINER_STATE_NAME = "trainer_state.json"
+
+
+_END = object()  # TrainerBatches: no batch ahead, the pass ended
 
 
 class TrainerBatches:
@@ -134,26 +138,37 @@ class TrainerBatches:
         self.shift_labels = shift_labels
         self.accepted = accepted
         self.model_name = model_name
+        self.pass_ends = 0  # training passes whose last batch was handed out (chain=True)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         set_epoch = getattr(self.loader, "set_epoch", None)
         if self.epoch is not None and set_epoch is not None:
             set_epoch(self.epoch)
+        if not self.chain:
+            for batch in self.loader:
+                yield self._for_model(batch)
+            return
         follows_exhausted = False
         while True:
-            yielded = False
-            for batch in self.loader:  # each iter(): a new pass (the loader's next epoch after an exhausted one)
-                yielded = True
-                yield self._for_model(batch)
-            if not self.chain:
-                return
-            if follows_exhausted and not yielded:
+            # One batch ahead inside a pass: the batch handed out is known to be the pass's last one when it is
+            # handed out (pass_ends counts it: "epoch" save/eval strategies fire at that step), and the loader is
+            # told what the step took (note_consumed), so a state saved then describes exactly the trained batches
+            # (an ended pass when the last one was trained). The next pass starts only when its first batch is asked.
+            batches = iter(self.loader)  # a new pass (the loader's next epoch after an exhausted one)
+            ahead = next(batches, _END)
+            if ahead is _END and follows_exhausted:
                 epoch = getattr(self.loader, "epoch", None)
                 raise RuntimeError(
                     f"{self.name}: a new pass{'' if epoch is None else f' (epoch {epoch})'} yielded no batch right "
                     "after the previous one ended, so the stream is empty and max_steps can never be reached; "
                     "check the sources (loader.stats() lists what was dropped and why)"
                 )
+            while ahead is not _END:
+                batch, ahead = ahead, next(batches, _END)
+                self.loader.note_consumed()
+                if ahead is _END:
+                    self.pass_ends += 1
+                yield self._for_model(batch)
             follows_exhausted = True
 
     def _for_model(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +268,7 @@ class ZephonTrainer(Trainer):
                 "DataLoader, which a ZephonLoader is not; compute metrics over the whole pass (the default).",
             ))
         self.add_callback(_StepEpoch())
+        self.add_callback(_PassEnds())
         self._accepted = _accepted_keys(unwrapped)
         self._model_name = type(unwrapped).__name__ if unwrapped is not None else "the model"
         if self.train_loader is not None:
@@ -266,6 +282,8 @@ class ZephonTrainer(Trainer):
                     self.train_loader.fingerprint.get("passes", 1), self.train_loader.dp_world_size)
         for name, loader in _eval_items(self.eval_loader):
             self._check_data_parallel(loader, name)
+        # This trainer checkpoints the training loader; evaluation reads epoch 0 from its start every time.
+        checkpointed.update(([self.train_loader] if self.train_loader is not None else []) + _eval_list(self.eval_loader))
 
     # -- data -----------------------------------------------------------------------------
     def get_train_dataloader(self) -> TrainerBatches:  # type: ignore[override]
@@ -422,6 +440,33 @@ def read_loader_state(checkpoint: str, process_index: int) -> dict[str, Any]:
 
 
 # -- helpers ------------------------------------------------------------------------------
+class _PassEnds(TrainerCallback):
+    """The ``"epoch"`` logging, evaluation and save strategies act at the optimizer step that trained a training
+    pass's last batch: the Trainer never sees an epoch end itself, since the passes are chained into one stream.
+
+    A checkpoint saved there holds an ended pass: its resume starts the next epoch.
+    """
+
+    def __init__(self) -> None:
+        self._seen = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._seen = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        batches = kwargs.get("train_dataloader")
+        ended = getattr(batches, "pass_ends", 0)
+        if not isinstance(batches, TrainerBatches) or ended == self._seen:
+            return
+        self._seen = ended
+        if args.logging_strategy == "epoch":
+            control.should_log = True
+        if args.eval_strategy == "epoch" and args.eval_delay <= state.epoch:
+            control.should_evaluate = True
+        if args.save_strategy == "epoch":
+            control.should_save = True
+
+
 class _StepEpoch(TrainerCallback):
     """Keep ``state.epoch`` (logs, ``trainer_state.json``) equal to the uninterrupted run's after a resume.
 

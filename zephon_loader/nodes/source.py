@@ -496,7 +496,7 @@ class ZephonSource(BaseNode):
         Returns:
             The carry (also what a state of the ended pass records).
         """
-        links, _ = self._links_at(position, skip, None)
+        links, _ = self._links_at(position, skip, None, quiet=True)
         self._pending_carry = [link for index, link in enumerate(links) if index not in drop]
         return copy.deepcopy(self._pending_carry)
 
@@ -510,7 +510,12 @@ class ZephonSource(BaseNode):
         return copy.deepcopy(self._pending_carry or [])
 
     def _links_at(self, position: Position, skip: Mapping[tuple[int, int], int] | None,
-                  extra: tuple[str, Any, Callable[[list[Any]], Any]] | None) -> tuple[list[dict[str, Any]], Any]:
+                  extra: tuple[str, Any, Callable[[list[Any]], Any]] | None,
+                  quiet: bool = False) -> tuple[list[dict[str, Any]], Any]:
+        """Zephon's checkpoint of each pipeline of the chain at ``position`` (one collective round each).
+
+        ``quiet``: a position the loader keeps for itself (the carry): Zephon's mid-window warning is dropped.
+        """
         merged_extra = None
         links = []
         last = len(position.streams) - 1
@@ -532,7 +537,7 @@ class ZephonSource(BaseNode):
                 return {"skip": merged_skip,
                         "extra": with_extra[2]([v["extra"] for v in present]) if with_extra is not None else None}
 
-            with explained_window_warnings():
+            with explained_window_warnings(taken=not quiet):
                 checkpoint, merged = checkpoint_at(stream.pipeline, local, extra=(self.ROUND_KEY, value, merge))
             if index == last:
                 merged_extra = merged["extra"]
