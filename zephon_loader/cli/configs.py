@@ -42,8 +42,8 @@ def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
     if names_this_package(target):  # nothing else is imported for a node
         try:
             built = resolve_target(target)
-        except ImportError:
-            return False
+        except (ImportError, ValueError):
+            return False  # the reader refuses it, naming the target
         return isinstance(built, type) and issubclass(built, ImageLoaderConfig)
     if isinstance(target, str):
         return False  # the reader refuses it, naming the target

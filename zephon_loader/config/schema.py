@@ -616,8 +616,12 @@ def read_loader_config(config: Any, cls: type = TextLoaderConfig) -> Any:
         )
     target = node.pop("_target_", None)
     if target is not None:
-        # Checked on the dotted name first: nothing outside this package is imported for a dataloader node.
-        built = resolve_target(target) if names_this_package(target) else None
+        # Checked on the dotted name first: nothing outside this package is imported for a dataloader node, nor a
+        # module's __main__ (resolve_target refuses it before importing: it would run the command line).
+        try:
+            built = resolve_target(target, f"{where}._target_") if names_this_package(target) else None
+        except ValueError:
+            built = None  # refused by what it names or is: the message below says what is expected
         if not (isinstance(built, type) and issubclass(built, cls)):
             raise ValueError(
                 f"{where}._target_: got {target!r}, expected {getattr(cls, 'YAML_TARGET', cls.__name__)} "
