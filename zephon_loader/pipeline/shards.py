@@ -263,6 +263,7 @@ def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
     objects = object_store.list_objects(where, url)
     by_name = {o["name"]: o for o in objects}
     files, kind = shard_format(where, url, [o["name"] for o in objects])
+    object_store.check_keys(where, url, files)
     identities = tuple(object_store.identity(by_name[n]) for n in files)
     index = next((n for n in _INDEX_NAMES if n in by_name), None)
     if index is not None:
@@ -271,7 +272,9 @@ def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
         ident = object_store.identity(by_name[index])
         try:
             text = read_object_range(f"{url}/{index}", 0, ident[0]).decode("utf-8")
-        except Exception as error:  # noqa: BLE001 - obstore's errors
+        except BaseException as error:  # obstore's errors; a Rust panic is a BaseException
+            if not object_store.store_raised(error):
+                raise
             raise ValueError(object_store.store_failure(where, f"{url}/{index}", error, "reading")) from None
         # An upload's time is not the content's (a sync may send index.json first): names and sizes only.
         _check_index(where, f"{url}/{index}", text, None, files, [(i[0], 0) for i in identities], kind, url)
