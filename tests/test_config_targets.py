@@ -127,3 +127,41 @@ def test_every_config_error_has_one_shape_file_key_seen_expected(tmp_path, chang
     with pytest.raises((ValueError, TypeError, FileNotFoundError), match=rf"^{path}: {key}.*expected") as raised:
         build_text_loader(path)
     assert "\n" not in str(raised.value)
+
+
+_MINIMAL = {"sources": [{"name": "a", "path": "a"}], "sequence_length": 16, "micro_batch_size": 1}
+
+
+def test_canonical_replicas_is_bounded_and_its_cost_said():
+    """``canonical_replicas: 10000`` was accepted (first batch after 113 s, an 8.5 MB state)."""
+    import warnings
+
+    from zephon_loader.config import text_loader_config
+
+    with pytest.raises(ValueError, match=r"^dataloader\.distributed\.canonical_replicas: got 10000, expected an int in "
+                                         r"\[1, 4096\] or null\. Each lane costs about 0\.85 kB in every saved state"):
+        text_loader_config(**_MINIMAL, distributed={"canonical_replicas": 10000})
+    with pytest.warns(RuntimeWarning, match=r"canonical_replicas: 2048 lanes \(above 1024\).*about 1\.7 MB per state "
+                                            r"and 23 s before the first batch"):
+        text_loader_config(**_MINIMAL, distributed={"canonical_replicas": 2048})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text_loader_config(**_MINIMAL, distributed={"canonical_replicas": 1024})
+
+
+@pytest.mark.parametrize("value", ["pkg://../../etc", "pkg:///etc", "pkg://corpus/../../..", "pkg://"])
+def test_a_pkg_path_outside_the_package_data_is_refused(value):
+    """``pkg://`` accepted ``..`` and absolute paths: any file of the machine, named as the package's data."""
+    import argparse
+
+    from zephon_loader.cli.configs import config_path
+    from zephon_loader.config import text_loader_config
+
+    with pytest.raises(ValueError, match=rf"^dataloader\.tokenizer\.path: got '{value}', expected pkg://NAME with NAME "
+                                         r"a file or folder inside the package's data folder"):
+        text_loader_config(**_MINIMAL, tokenizer={"path": value})
+    with pytest.raises(ValueError, match=r"^dataloader\.sources\[0\]\.path: got"):
+        text_loader_config(**{**_MINIMAL, "sources": [{"name": "a", "path": value}]})
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"^got '{value}', expected pkg://NAME"):
+        config_path(value)
+    text_loader_config(**{**_MINIMAL, "sources": [{"name": "a", "path": "pkg://corpus"}]}, tokenizer={"path": "pkg://tokenizer"})
