@@ -8,8 +8,8 @@ pickle-safe (plain dicts, lists, ints, bools, strings)::
 
     {"format": "zephon_loader.state/4",
      "fingerprint": {...},                 # what fixes the stream (the builders)
-     "epoch": int,                         # the epoch of the checkpoint
-     "pass_ended": bool,                   # the epoch's pass was read to its end
+     "epoch": int,                         # the epoch of the checkpoint (absent: 0)
+     "pass_ended": bool,                   # the epoch's pass was read to its end (absent: False)
      "zephon_checkpoint": {...} | None,    # Zephon's checkpoint of every lane at a point before
                                            # the read-ahead; None: the start of the epoch
      "skip": {"<lane>": int},              # batches of each lane after that checkpoint that were
@@ -135,7 +135,8 @@ class LoaderState:
         named, at most 6); ``checksum`` (the content is what ``to_dict`` made:
         not edited, truncated or damaged since); ``zephon_checkpoint`` (a mapping that Zephon's
         schema accepts, with ``canonical_replicas`` lanes, or ``None``);
-        every key present and no other; ``epoch``; ``pass_ended``; ``skip``
+        every key present (``epoch`` and ``pass_ended`` may be absent: 0, False)
+        and no other; ``epoch``; ``pass_ended``; ``skip``
         (lanes in range, counts >= 0); ``carried``/``carry`` (each link's lanes in
         range, its epoch at most the state's, no link twice); ``stats``. The
         checksum is not a signature (anyone can recompute it): these checks
@@ -209,8 +210,8 @@ class LoaderState:
                 "Zephon cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
                 f"{saved_lanes} (any DP size that divides it)"
             )
-        epoch = checked_epoch(state["epoch"], "state_dict.epoch")
-        pass_ended = state.get("pass_ended", False)
+        epoch = checked_epoch(state.get("epoch", _OPTIONAL["epoch"]), "state_dict.epoch")
+        pass_ended = state.get("pass_ended", _OPTIONAL["pass_ended"])
         if not isinstance(pass_ended, bool):
             raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
                              "was read to its end)")
@@ -257,11 +258,15 @@ _TAMPERED = ("the state was not made by ZephonLoader.state_dict() (edited, and i
              "from an intact copy of the saved state")
 
 
+#: Keys a state may lack, with the value that stands for them (documented: states of format 4 saved before epochs).
+_OPTIONAL = {"epoch": 0, "pass_ended": False}
+
+
 def _check_keys(state: Mapping[str, Any]) -> None:
-    """Refuse a state without every key :meth:`LoaderState.to_dict` writes, or with others (a removed ``skip``
-    would resume at its checkpoint and deliver the batches after it twice)."""
+    """Refuse a state without a key :meth:`LoaderState.to_dict` writes (but :data:`_OPTIONAL`), or with others (a
+    removed ``skip`` would resume at its checkpoint and deliver the batches after it twice)."""
     expected = [field.name for field in dataclasses.fields(LoaderState)]
-    missing = [key for key in expected if key not in state]
+    missing = [key for key in expected if key not in state and key not in _OPTIONAL]
     if missing:
         raise ValueError(f"state_dict.{missing[0]}: missing, expected every key ZephonLoader.state_dict() writes "
                          f"({', '.join(expected)}, checksum); {_TAMPERED}")
