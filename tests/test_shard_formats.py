@@ -284,3 +284,55 @@ def test_a_lance_dataset_written_anew_at_the_same_path_is_read_anew(fmt, tmp_pat
         write_jsonl_shards(copy / f"p{index}", part, shards=1)
         os.replace(copy / f"p{index}" / "part-00000.jsonl", copy / f"part-{index:05d}.jsonl")
     assert_same_batches(batches(folder, tokenizer_dir), batches(copy, tokenizer_dir))
+
+
+def _stray(folder: Path, kind: str) -> str:
+    """A stray file of ``kind`` in ``folder`` (a JSONL shard, or a Parquet shard), its name returned."""
+    if kind == "jsonl":
+        write_jsonl_shards(folder / "stray", [{"text": "a stray document"}], shards=1)
+        os.replace(folder / "stray" / "part-00000.jsonl", folder / "stray.jsonl")
+        (folder / "stray").rmdir()
+        return "stray.jsonl"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a stray document"]}), folder / "stray.parquet")
+    return "stray.parquet"
+
+
+@pytest.mark.parametrize(("fmt", "stray", "marker"), [
+    pytest.param(*case, marks=pytest.mark.skipif(not _installed(case[0]), reason=f"{case[0]} not installed"))
+    for case in [("lance", "jsonl", "_versions/"), ("lance", "parquet", "_versions/"),
+                 ("litdata", "jsonl", "index.json"), ("vortex", "parquet", ".vortex")]])
+@pytest.mark.parametrize("given", [True, False], ids=["format-given", "format-detected"])
+def test_a_folder_holding_a_stray_file_of_another_format_is_refused_naming_both(fmt, stray, marker, given,
+                                                                                   tmp_path, tokenizer_dir):
+    """A Lance folder with a stray ``.jsonl``/``.parquet`` was fingerprinted as Lance while Zephon read the stray
+    file (0 of 40 rows delivered, no error); a LitData folder with a JSONL file silently skipped the JSONL."""
+    folder = WRITERS[fmt](tmp_path / "data", [{"text": t} for t in TEXTS])[0]
+    name = _stray(folder, stray)
+    with pytest.raises(ValueError) as info:
+        build_text_loader(text_config(folder, tokenizer_dir, **with_format(fmt if given else None, path=str(folder))))
+    message = str(info.value)
+    assert message.startswith(f"dataloader.sources[0].path ('web'): got {folder} holding the files of 2 formats: "
+                              ), message
+    assert f"{fmt} (" in message and marker in message and f"{stray} ({name})" in message, message
+    assert "expected one format per folder" in message and "give each format its own folder" in message, message
+    read = "litdata" if fmt == "litdata" else stray if fmt == "lance" else "vortex"
+    assert f"Zephon reads only the {read} files" in message, message
+    os.remove(folder / name)
+    assert len(batches(folder, tokenizer_dir)) > 2  # the folder alone reads as before
+
+
+def test_jsonl_and_parquet_in_one_folder_name_the_folder_and_the_files(jsonl_copy, tmp_path, tokenizer_dir):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for path in sorted(jsonl_copy.iterdir()):
+        os.symlink(path, folder / path.name)
+    _stray(folder, "parquet")
+    with pytest.raises(ValueError) as info:
+        build_text_loader(text_config(folder, tokenizer_dir))
+    message = str(info.value)
+    assert (f"got {folder} holding the files of 2 formats: jsonl (part-00000.jsonl, part-00001.jsonl, "
+            "part-00002.jsonl); parquet (stray.parquet), expected one format per folder. Zephon reads only the "
+            "jsonl files of such a folder, none of the parquet records") in message, message

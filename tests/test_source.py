@@ -471,7 +471,8 @@ def test_refuses_bad_source_dirs(base_keys, tmp_path):
     mixed.mkdir()
     (mixed / "a.jsonl").write_text('{"text": "x"}\n')
     (mixed / "b.parquet").write_bytes(b"")
-    _pipeline_refuses(ValueError, r"one shard format per directory", sources(("m", mixed)), tmp_path)
+    _pipeline_refuses(ValueError, r"holding the files of 2 formats: jsonl \(a\.jsonl\); parquet \(b\.parquet\), "
+                                  r"expected one format per folder", sources(("m", mixed)), tmp_path)
     # object storage is read (tests/test_object_storage.py); a scheme the loader does not read is refused by name
     _pipeline_refuses(ValueError, r"sources\[0\].path \('r'\): got 'ftp://bucket/x', expected a local directory "
                       r"or a URL of object storage", sources(("r", "ftp://bucket/x")), tmp_path)

@@ -508,3 +508,115 @@ def test_load_state_dict_makes_a_live_iterator_stale(sources, tokenizer_dir):
         assert loader.state_dict() == state
         rest = input_ids(collect(loader))
     assert len(rest) == len(full) - 1 and all(torch.equal(a, b) for a, b in zip(rest, full[1:]))
+
+
+# ----------------------------------------------------------------------------- issue 37: semantics behind the checksum
+
+
+def test_a_tampered_state_with_its_checksum_recomputed_is_refused_by_what_it_says(sources, tokenizer_dir):
+    """The checksum is an unkeyed SHA-256 anyone can recompute: with it a removed ``skip``, a carried pipeline
+    listed twice (a whole pass delivered again) and a skip of 10**6 were accepted. The content is checked too."""
+    cfg = config(sources, tokenizer_dir, 0)
+    with build_text_loader(cfg) as loader:
+        it = iter(loader)
+        for _ in range(2):
+            next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+    link = {"epoch": 0, "zephon_checkpoint": None, "skip": {}}
+
+    def sealed(change):
+        bad = json.loads(json.dumps(state))
+        change(bad)
+        bad["checksum"] = content_checksum(bad)
+        return bad
+
+    for change, match in [
+        (lambda s: s.pop("skip"), r"^state_dict\.skip: missing, expected every key ZephonLoader\.state_dict\(\) "
+                                  r"writes .*checksum recomputed"),
+        (lambda s: s.pop("carried"), r"^state_dict\.carried: missing"),
+        (lambda s: s.update(extra=1), r"^state_dict: got the unknown key\(s\) \['extra'\]"),
+        (lambda s: s.update(carried=[link, dict(link)]), r"^state_dict\.carried\[1\]: the same pipeline position as "
+                                                          r"state_dict\.carried\[0\].*its batches twice"),
+        (lambda s: s.update(carry=[dict(link, epoch=3)]), r"^state_dict\.carry\[0\]\.epoch: got 3, expected at most "
+                                                           r"the state's epoch 0"),
+        (lambda s: s.update(carried=[dict(link, skip={"5": 1})]), r"^state_dict\.carried\[0\]\.skip: got lane '5', "
+                                                                  r"expected a lane id in \[0, 1\)"),
+    ]:
+        with build_text_loader(cfg) as fresh:
+            with pytest.raises(ValueError, match=match):
+                fresh.load_state_dict(sealed(change))
+    with build_text_loader(cfg) as fresh:
+        fresh.load_state_dict(sealed(lambda s: s.update(skip={"0": 10**6})))
+        with pytest.raises(ValueError, match=r"^state_dict\.skip: lane 0 of epoch 0 ended with \d+ of the batches the "
+                                             r"state says it delivered after its checkpoint still to skip"):
+            collect(fresh)
+
+
+def test_a_stale_set_consumed_is_named_at_state_dict(sources, tokenizer_dir):
+    """``set_consumed`` not called again after more batches rewound the state one batch without a word; two gave
+    "lag: got 2 ... retain=1", naming neither the call nor the fix."""
+    with build_text_loader(config(sources, tokenizer_dir, 0)) as loader:
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        loader.set_consumed(3)
+        loader.state_dict()  # fresh: no word
+        next(it)
+        with pytest.warns(RuntimeWarning, match=r"state_dict: the last set_consumed\(3\) came 1 batch\(es\) ago \(4 "
+                                                r"delivered now\): the state resumes after batch 3.*call set_consumed"):
+            loader.state_dict()
+        next(it)
+        with pytest.raises(ValueError, match=r"^state_dict: the last set_consumed\(3\) came 2 batch\(es\) ago \(5 "
+                                             r"delivered now\), expected a count at most 1 behind.*call "
+                                             r"set_consumed\(<batches trained this pass>\)"):
+            loader.state_dict()
+        loader.set_consumed(5)
+        loader.state_dict()
+
+
+_KILLED_SAVE = r"""
+import sys, time
+from zephon_loader.state import write_atomically
+def write(handle):
+    handle.write("partial")
+    handle.flush()
+    open(sys.argv[2], "w").close()
+    time.sleep(600)
+write_atomically(sys.argv[1], write)
+"""
+
+
+def test_the_temporary_files_of_killed_saves_are_removed_by_the_next_save(tmp_path):
+    """``kill -9`` during ``save_state`` left ``.name.pid.tid.tmp`` files that piled up. The next save of the same
+    name removes those of dead processes on this machine; a live save's and another name's are left."""
+    import signal
+    import subprocess
+    import sys
+
+    from zephon_loader.state import _HOST, save_state_file
+
+    target = tmp_path / "state.json"
+    killed = []
+    for index in range(2):
+        ready = tmp_path / f"ready{index}"
+        child = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(target), str(ready)],
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), "the child never started writing"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+        killed.append(sorted(p.name for p in tmp_path.glob(".state.json.*.tmp")))
+    # each killed save left its file; the second save removed the first's before it was killed in turn
+    assert [len(k) for k in killed] == [1, 1] and killed[0] != killed[1], killed
+    assert f".{_HOST}.{child.pid}." in killed[1][0], killed
+    legacy = tmp_path / f".state.json.{child.pid}.1.tmp"  # an older version's name, same dead process
+    live = tmp_path / f".state.json.{_HOST}.{os.getpid()}.99.tmp"  # a save in progress in this process
+    other = tmp_path / f".other.json.{_HOST}.{child.pid}.1.tmp"  # another target's
+    for path in (legacy, live, other):
+        path.write_text("partial")
+    save_state_file(target, {"a": 1})
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert left == sorted([live.name, other.name]), left
+    assert json.loads(target.read_text()) == {"a": 1}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, Mapping
 
@@ -177,6 +178,7 @@ class ZephonLoader:
         self._pass_delivered = 0  # batches next() returned since the pass started
         self._pass_resumed = False  # the pass continues a loaded state's
         self._pass_carry: list[dict[str, Any]] | None = None  # what the pass began with after an ended pass
+        self._consumed_at = 0  # the batches delivered when set_consumed() was last called
         self._single_rank_by_default = single_rank_by_default
         self._even_passes = even_passes
         self._agreement: PassAgreement | None = None  # made at the first iter() in a multi-rank process group
@@ -474,6 +476,7 @@ class ZephonLoader:
                     "consumer may be at most that many batches behind next()"
                 )
             self._consumed = count
+            self._consumed_at = delivered
 
     def note_consumed(self, count: int = 1) -> None:
         """Say that the training loop has taken ``count`` more batches of the current pass (a trainer hook).
@@ -501,8 +504,7 @@ class ZephonLoader:
                 return copy.deepcopy(self._pending.to_dict())
             lag = 0
             if self._started:
-                if self._consumed is not None and self._stats is not None:
-                    lag = self._stats.batches - self._consumed
+                lag = self._consumer_lag()
                 anchor, skip, handed_back = self._read_ahead.position(lag)
             else:  # start of the stream (no pass yet, or preview() restarted it)
                 anchor, skip, handed_back = self._source.position(), {}, []
@@ -523,6 +525,27 @@ class ZephonLoader:
                 carry=self._source.pending_carry if pass_ended else source_state.get(ZephonSource.CARRY_KEY, []),
                 stats=stats,
             ).to_dict()
+
+    def _consumer_lag(self) -> int:
+        """Batches delivered beyond the last :meth:`set_consumed` count (0 without one); a count given before
+        batches that were delivered since is stale: warned (the state rewinds to it), or refused when the loader
+        cannot hand back that many."""
+        if self._consumed is None or self._stats is None:
+            return 0
+        delivered = self._stats.batches
+        lag, since = delivered - self._consumed, delivered - self._consumed_at
+        if not since:
+            return lag
+        stale = (f"state_dict: the last set_consumed({self._consumed}) came {since} batch(es) ago ({delivered} "
+                 "delivered now)")
+        fix = ("call set_consumed(<batches trained this pass>) after every batch or just before state_dict(), as "
+               "ZephonLoaderCallback does")
+        if lag > self.RETAINED_BATCHES:
+            raise ValueError(f"{stale}, expected a count at most {self.RETAINED_BATCHES} behind the batches "
+                             f"delivered (the loader keeps only that many to hand back); {fix}")
+        warnings.warn(f"{stale}: the state resumes after batch {self._consumed}, so the {lag} delivered after it "
+                      f"come again on resume; if they were trained, {fix}", RuntimeWarning, stacklevel=3)
+        return lag
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` output at the next ``iter()``.

@@ -30,8 +30,8 @@ from typing import Any, Callable, Protocol
 
 from zephon_loader.collate.image import collate_images
 from zephon_loader.collate.text import TextCollate
-from zephon_loader.config import ImageLoaderConfig, ProcessorConfig, ProcessorTarget, TextLoaderConfig, instantiate
-from zephon_loader.config.reader import refuse_standard_library_target
+from zephon_loader.config import ImageLoaderConfig, ProcessorConfig, ProcessorTarget, TextLoaderConfig
+from zephon_loader.config.reader import instantiate_at, refuse_standard_library_target
 from zephon_loader.contract import PackingContract
 from zephon_loader.fingerprint import tokenizer_fingerprint
 from zephon_loader.loader import ImageLoader, ZephonLoader
@@ -338,8 +338,8 @@ def _processor_from_config(cfg: ImageLoaderConfig, model_path: str | None) -> An
 
     node = cfg.processor
     if isinstance(node, ProcessorTarget):
-        refuse_standard_library_target(node.node(), "dataloader.processor")
-        return instantiate(node.node())
+        refuse_standard_library_target(node.node(), "dataloader.processor")  # by name, before any import
+        return instantiate_at(node.node(), "dataloader.processor")  # by what each target is, before any call
     node = node if isinstance(node, ProcessorConfig) else ProcessorConfig()
     if node.path is not None:
         folder = cfg.resolve_path(node.path)

@@ -36,6 +36,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -133,8 +135,14 @@ class LoaderState:
         named, at most 6); ``checksum`` (the content is what ``to_dict`` made:
         not edited, truncated or damaged since); ``zephon_checkpoint`` (a mapping that Zephon's
         schema accepts, with ``canonical_replicas`` lanes, or ``None``);
-        ``epoch``; ``pass_ended``; ``skip`` (lanes in range, counts >= 0);
-        ``stats``.
+        every key present (``epoch`` and ``pass_ended`` may be absent: 0, False)
+        and no other; ``epoch``; ``pass_ended``; ``skip``
+        (lanes in range, counts >= 0); ``carried``/``carry`` (each link's lanes in
+        range, its epoch at most the state's, no link twice); ``stats``. The
+        checksum is not a signature (anyone can recompute it): these checks
+        hold the content to what ``to_dict`` can make; a ``skip`` larger than
+        its lane holds after the checkpoint is refused when that lane ends
+        (:class:`~zephon_loader.nodes.source.ZephonSource`).
 
         Args:
             state: What :meth:`to_dict` returned, possibly after a JSON or
@@ -182,11 +190,7 @@ class LoaderState:
                 "resume with the configuration it was saved with"
             )
         _check_integrity(state)
-        if "zephon_checkpoint" not in state:
-            raise ValueError(
-                "state_dict.zephon_checkpoint: missing, no Zephon checkpoint found; expected the dict returned by "
-                "ZephonLoader.state_dict() (the state is truncated or corrupt)"
-            )
+        _check_keys(state)
         checkpoint = state.get("zephon_checkpoint")
         if checkpoint is not None and not isinstance(checkpoint, Mapping):
             raise ValueError(
@@ -206,21 +210,30 @@ class LoaderState:
                 "Zephon cannot re-deal a stream into another number of lanes; resume with distributed.canonical_replicas: "
                 f"{saved_lanes} (any DP size that divides it)"
             )
-        epoch = checked_epoch(state.get("epoch", 0), "state_dict.epoch")
-        pass_ended = state.get("pass_ended", False)
+        epoch = checked_epoch(state.get("epoch", _OPTIONAL["epoch"]), "state_dict.epoch")
+        pass_ended = state.get("pass_ended", _OPTIONAL["pass_ended"])
         if not isinstance(pass_ended, bool):
             raise ValueError(f"state_dict.pass_ended: got {pass_ended!r}, expected a bool (whether the epoch's pass "
                              "was read to its end)")
-        skip = checked_skip(state.get("skip", {}), "state_dict.skip", canonical_replicas)
+        skip = checked_skip(state["skip"], "state_dict.skip", canonical_replicas)
         chains = {}
         for key in ("carried", "carry"):
-            links = state.get(key, [])
+            links = state[key]
             if not isinstance(links, list):
                 raise ValueError(f"state_dict.{key}: got {type(links).__name__}, expected a list of "
                                  "{'epoch', 'zephon_checkpoint', 'skip'} (empty when nothing was carried)")
+            seen: dict[str, int] = {}
             for index, link in enumerate(links):
                 where = f"state_dict.{key}[{index}]"
-                checked_link(link, where)
+                checked = checked_link(link, where)
+                checked_skip(checked["skip"], f"{where}.skip", canonical_replicas)
+                if checked["epoch"] > epoch:
+                    raise ValueError(f"{where}.epoch: got {checked['epoch']}, expected at most the state's epoch "
+                                     f"{epoch} (a carried pipeline is an earlier epoch's); {_TAMPERED}")
+                first = seen.setdefault(content_checksum({"link": checked}), index)
+                if first != index:
+                    raise ValueError(f"{where}: the same pipeline position as state_dict.{key}[{first}], expected "
+                                     f"each carried pipeline once (twice would deliver its batches twice); {_TAMPERED}")
                 try:
                     if link["zephon_checkpoint"] is not None:
                         check_checkpoint(link["zephon_checkpoint"])
@@ -239,6 +252,28 @@ class LoaderState:
             carry=chains["carry"],
             stats=_checked_stats(state.get("stats"), stats),
         )
+
+
+_TAMPERED = ("the state was not made by ZephonLoader.state_dict() (edited, and its checksum recomputed); resume "
+             "from an intact copy of the saved state")
+
+
+#: Keys a state may lack, with the value that stands for them (documented: states of format 4 saved before epochs).
+_OPTIONAL = {"epoch": 0, "pass_ended": False}
+
+
+def _check_keys(state: Mapping[str, Any]) -> None:
+    """Refuse a state without a key :meth:`LoaderState.to_dict` writes (but :data:`_OPTIONAL`), or with others (a
+    removed ``skip`` would resume at its checkpoint and deliver the batches after it twice)."""
+    expected = [field.name for field in dataclasses.fields(LoaderState)]
+    missing = [key for key in expected if key not in state and key not in _OPTIONAL]
+    if missing:
+        raise ValueError(f"state_dict.{missing[0]}: missing, expected every key ZephonLoader.state_dict() writes "
+                         f"({', '.join(expected)}, checksum); {_TAMPERED}")
+    unknown = sorted(str(key) for key in set(state) - set(expected) - {"checksum"})
+    if unknown:
+        raise ValueError(f"state_dict: got the unknown key(s) {unknown}, expected only the keys "
+                         f"ZephonLoader.state_dict() writes ({', '.join(expected)}, checksum); {_TAMPERED}")
 
 
 def content_checksum(state: Mapping[str, Any]) -> str:
@@ -303,7 +338,8 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], None],
     path = os.fspath(path)
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    _remove_dead_temporaries(folder, os.path.basename(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(temporary, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
             write(handle)
@@ -323,6 +359,40 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Any], None],
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+#: This machine in a temporary file's name, so that a save on a shared folder never removes another machine's.
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _remove_dead_temporaries(folder: str, name: str) -> None:
+    """Remove the temporary files of earlier saves of ``name`` killed mid-write (``kill -9``: no ``finally`` ran):
+    only this machine's (``.<name>.<host>.<pid>.<thread>.tmp``, or an older version's ``.<name>.<pid>.<thread>.tmp``)
+    whose process is gone; a live save's file is left alone."""
+    prefix = f".{name}."
+    try:
+        entries = [e for e in os.listdir(folder) if e.startswith(prefix) and e.endswith(".tmp")]
+    except OSError:
+        return
+    for entry in entries:
+        parts = entry[len(prefix):-len(".tmp")].split(".")
+        host, pid = (parts[0], parts[1]) if len(parts) == 3 else (_HOST, parts[0]) if len(parts) == 2 else ("", "")
+        if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(folder, entry))
+        except OSError:
+            pass  # another save removed it first, or a read-only folder: the next save tries again
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def write_json_atomically(path: str | os.PathLike[str], document: Any) -> None:

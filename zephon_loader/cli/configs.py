@@ -11,6 +11,8 @@ Importing this module imports neither torch, Zephon nor numpy: each function imp
 
 from __future__ import annotations
 
+import argparse
+
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -42,8 +44,8 @@ def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
     if names_this_package(target):  # nothing else is imported for a node
         try:
             built = resolve_target(target)
-        except ImportError:
-            return False
+        except (ImportError, ValueError):
+            return False  # the reader refuses it, naming the target
         return isinstance(built, type) and issubclass(built, ImageLoaderConfig)
     if isinstance(target, str):
         return False  # the reader refuses it, naming the target
@@ -53,10 +55,14 @@ def is_image_config(config: str | Path | Mapping[str, Any]) -> bool:
 def config_path(text: str) -> Path:
     """A ``config`` argument as a path: ``pkg://NAME`` is ``NAME`` in the installed package's ``data/`` (the
     bundled demos: ``pkg://demo.yaml``, ``pkg://image_demo.yaml``, ...), anything else a file path."""
-    from zephon_loader.config import PACKAGE_DATA_PREFIX, package_data_dir
+    from zephon_loader.config import PACKAGE_DATA_PREFIX
+    from zephon_loader.config.schema import package_data_path
 
     if text.startswith(PACKAGE_DATA_PREFIX):
-        return package_data_dir() / text[len(PACKAGE_DATA_PREFIX):]
+        try:
+            return package_data_path(text, "config")
+        except ValueError as error:  # argparse shows an ArgumentTypeError's own words
+            raise argparse.ArgumentTypeError(str(error).removeprefix("config: ")) from None
     return Path(text)
 
 

@@ -135,14 +135,69 @@ def from_mapping(cls: type, data: Any, path: str = "dataloader") -> Any:
 # --- _target_ resolution ----------------------------------------------------------------
 
 
-def resolve_target(dotted_path: str) -> Any:
-    """Import ``pkg.module.attr`` by the longest importable module prefix (AutoModel's rule).
+#: Top-level module names whose objects a ``_target_`` may never reach (the standard library, builtins).
+_FORBIDDEN_TOPS = frozenset(sys.stdlib_module_names) | {"builtins", "__builtin__"}
+#: This package's command line: its entry points parse the process's arguments and exit it.
+_CLI_PACKAGE = "zephon_loader.cli"
+_TRUST = ("a YAML _target_ is imported and called: a configuration is as trusted as a script, and this one would "
+          "run the standard library's code")
+
+
+def _refuse_name(dotted_path: str, where: str) -> None:
+    """Refuse, before anything is imported, a dotted path that names the standard library or builtins at its top,
+    or a module's ``__main__`` (importing ``pkg.__main__`` runs that program)."""
+    parts = dotted_path.split(".")
+    if parts[0] in _FORBIDDEN_TOPS:
+        raise ValueError(f"{where}: got {dotted_path!r}, a standard-library callable; expected a factory from your "
+                         f"own code or a package ({_TRUST})")
+    if "__main__" in parts[1:]:
+        raise ValueError(f"{where}: got {dotted_path!r}, a module's __main__ (importing it runs that program); "
+                         "expected a factory from your own code or a package (a class or a function)")
+
+
+def _module_of(obj: Any) -> str:
+    """The module an object comes from: a module's own name, else its (or its type's) ``__module__``."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    module = getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else type(obj).__module__
+
+
+def _refuse_object(dotted_path: str, obj: Any, where: str) -> None:
+    """Refuse what a resolved ``_target_`` is, whatever path reached it: a module, an object of the standard
+    library or builtins (``zephon_loader.state.os.system`` is ``os.system``), or this package's command line."""
+    module = _module_of(obj)
+    seen = f"{where}: got {dotted_path!r}"
+    expected = "expected a factory from your own code or a package (a class or a function)"
+    if module.split(".")[0] in _FORBIDDEN_TOPS:
+        name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+        raise ValueError(f"{seen}, which is the standard library's {module}.{name}; {expected} ({_TRUST})")
+    if isinstance(obj, types.ModuleType):
+        raise ValueError(f"{seen}, the module {module} (not a callable); {expected}")
+    if module == _CLI_PACKAGE or module.startswith(_CLI_PACKAGE + "."):
+        raise ValueError(f"{seen}, this package's command line ({module}; it parses the process's arguments and "
+                         f"exits); {expected}")
+
+
+def resolve_target(dotted_path: str, where: str = "_target_") -> Any:
+    """Import ``pkg.module.attr`` by the longest importable module prefix (AutoModel's rule); call nothing.
+
+    The path is checked before anything is imported (:func:`_refuse_name`) and the object it reaches before it
+    is returned (:func:`_refuse_object`): a ``_target_`` is called by its reader, so it may be neither of the
+    standard library nor builtins (by any path: ``torch.os.system`` is ``os.system``), a module, a module's
+    ``__main__``, nor this package's command line.
+
+    Args:
+        dotted_path: The ``_target_`` value.
+        where: Its config key for messages (``dataloader.processor._target_``).
 
     Raises:
         ImportError: No prefix imports, or an attribute is missing; the message names the path.
+        ValueError: A target refused by what it names or is (naming the key, the path and what was expected).
     """
     if not isinstance(dotted_path, str) or not dotted_path:
-        raise TypeError(f"_target_: got {dotted_path!r}, expected a dotted import path string")
+        raise TypeError(f"{where}: got {dotted_path!r}, expected a dotted import path string")
+    _refuse_name(dotted_path, where)
     parts = dotted_path.split(".")
     for cut in range(len(parts), 0, -1):
         module_name = ".".join(parts[:cut])
@@ -154,10 +209,11 @@ def resolve_target(dotted_path: str) -> Any:
             continue
         for attribute in parts[cut:]:
             if not hasattr(obj, attribute):
-                raise ImportError(f"_target_: module {module_name!r} has no attribute path {'.'.join(parts[cut:])!r} ({dotted_path})")
+                raise ImportError(f"{where}: module {module_name!r} has no attribute path {'.'.join(parts[cut:])!r} ({dotted_path})")
             obj = getattr(obj, attribute)
+        _refuse_object(dotted_path, obj, where)
         return obj
-    raise ImportError(f"_target_: cannot import any module prefix of {dotted_path!r}")
+    raise ImportError(f"{where}: cannot import any module prefix of {dotted_path!r}")
 
 
 def names_this_package(target: Any) -> bool:
@@ -167,13 +223,14 @@ def names_this_package(target: Any) -> bool:
 
 
 def refuse_standard_library_target(node: Any, where: str) -> None:
-    """Refuse, before anything is imported, a ``_target_`` (in ``node`` or nested in it) that names a
-    standard-library or builtin callable.
+    """Refuse, before anything is imported, a ``_target_`` (in ``node`` or nested in it) whose dotted path names
+    the standard library or builtins at its top, or a module's ``__main__``.
 
     A YAML ``_target_`` is imported and called, so a configuration is as trusted
     as a script; a processor factory is the user's code or a package's, and
     ``os.system``, ``subprocess.run`` or ``builtins.eval`` have no business
-    there.
+    there. A path that reaches them through another module (``torch.os.system``)
+    is refused by :func:`instantiate` once resolved, before anything is called.
 
     Raises:
         ValueError: Naming the key, the target and what was expected.
@@ -186,13 +243,7 @@ def refuse_standard_library_target(node: Any, where: str) -> None:
         return
     target = node.get("_target_")
     if isinstance(target, str):
-        top = target.split(".")[0]
-        if top in ("builtins", "__builtin__") or top in sys.stdlib_module_names:
-            raise ValueError(
-                f"{where}._target_: got {target!r}, a standard-library callable; expected a factory from your own "
-                "code or a package (a YAML _target_ is imported and called: a configuration is as trusted as a "
-                "script, and this one would run the standard library's code)"
-            )
+        _refuse_name(target, f"{where}._target_")
     for key, value in node.items():
         if key != "_target_":
             refuse_standard_library_target(value, f"{where}.{key}")
@@ -203,16 +254,44 @@ def instantiate(node: Any, **overrides: Any) -> Any:
 
     Mappings with ``_target_`` are called with their other keys (nested
     ``_target_`` nodes instantiated first); other values are returned as they
-    are. ``overrides`` are merged into the top-level call.
+    are. ``overrides`` are merged into the top-level call. Every ``_target_`` of
+    the node is resolved and checked (:func:`resolve_target`) before any is called.
     """
+    return _instantiate(node, "_target_", overrides)
+
+
+def instantiate_at(node: Any, where: str) -> Any:
+    """:func:`instantiate` with messages naming the node's config key (``dataloader.processor``)."""
+    return _instantiate(node, where, {})
+
+
+def _instantiate(node: Any, where: str, overrides: Mapping[str, Any]) -> Any:
+    _resolve_all(node, where)  # every target checked before the first call
+    return _call(node, where, overrides)
+
+
+def _resolve_all(node: Any, where: str) -> None:
     if isinstance(node, list):
-        return [instantiate(item) for item in node]
+        for index, item in enumerate(node):
+            _resolve_all(item, f"{where}[{index}]")
+    elif isinstance(node, Mapping):
+        if "_target_" in node:
+            resolve_target(node["_target_"], f"{where}._target_")
+        for key, value in node.items():
+            if key != "_target_":
+                _resolve_all(value, f"{where}.{key}")
+
+
+def _call(node: Any, where: str, overrides: Mapping[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_call(item, f"{where}[{index}]", {}) for index, item in enumerate(node)]
     if not isinstance(node, Mapping):
         return node
     if "_target_" not in node:
-        return {key: instantiate(value) for key, value in node.items()}
-    target = resolve_target(node["_target_"])
-    kwargs = {key: instantiate(value) for key, value in node.items() if key != "_target_" and key not in overrides}
+        return {key: _call(value, f"{where}.{key}", {}) for key, value in node.items()}
+    target = resolve_target(node["_target_"], f"{where}._target_")
+    kwargs = {key: _call(value, f"{where}.{key}", {}) for key, value in node.items()
+              if key != "_target_" and key not in overrides}
     kwargs.update(overrides)
     return target(**kwargs)
 

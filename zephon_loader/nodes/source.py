@@ -139,6 +139,13 @@ class _Stream:
                     del self.skip[lane]
         except StopIteration:
             self.fresh, self.ended = False, True
+            if self.skip:
+                lane, left = next(iter(self.skip.items()))
+                raise ValueError(
+                    f"state_dict.skip: lane {lane} of epoch {self.epoch} ended with {left} of the batches the state "
+                    "says it delivered after its checkpoint still to skip, expected at most the batches the lane "
+                    "holds after it: the state was not made by ZephonLoader.state_dict() for this data (edited, "
+                    "and its checksum recomputed); resume from an intact copy of the saved state") from None
             raise
         except Exception as error:
             better = self._explain(error)

@@ -18,7 +18,10 @@ holds, is one of them:
   writes), Lance (``_versions/*.manifest``), Vortex (``*.vortex`` files); a
   Mosaic MDS folder (``index.json`` with ``shards``, no ``format_version``) and
   a Hugging Face ``save_to_disk`` folder (``state.json`` + ``*.arrow``) are
-  recognised and refused with the reason and the conversion that works.
+  recognised and refused with the reason and the conversion that works. A
+  folder holding the files of two formats (:func:`formats_in`; a Lance dataset
+  with a stray ``.jsonl``, a LitData folder with a JSONL file) is refused
+  naming both: Zephon reads one of them by its own precedence and skips the rest.
 * **Content** (:func:`open_source`, :class:`FormatFiles`): every data file of
   the folder (name, size, SHA-256 through the same digest cache as JSONL/Parquet shards), the
   resume fingerprint's part for the source, so an edited, added or removed
@@ -51,11 +54,11 @@ from zephon_loader.config.schema import SOURCE_FORMATS, UNREAD_FORMATS
 from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.object_store import is_url
-from zephon_loader.pipeline.shards import Identity, SourceFiles, _digests, _identity
+from zephon_loader.pipeline.shards import Identity, SourceFiles, _digests, _identity, files_by_format, refuse_mixed
 from zephon_loader.pipeline.shards import open_source as open_shards
 
-__all__ = ["FORMATS", "FormatFiles", "ShardFormat", "check_kind", "detect", "forget_catalogs", "install_line",
-           "list_files", "open_source", "owns", "require_packages"]
+__all__ = ["FORMATS", "FormatFiles", "ShardFormat", "check_kind", "detect", "forget_catalogs", "formats_in",
+           "install_line", "list_files", "open_source", "owns", "require_packages"]
 
 
 @dataclass(frozen=True)
@@ -127,26 +130,36 @@ def _read_index(folder: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def formats_in(folder: Path) -> dict[str, tuple[str, ...]]:
+    """Per format whose files ``folder`` holds, the files that show it (relative): LitData's or MDS's
+    ``index.json``, Lance's manifests, a ``save_to_disk`` folder's ``state.json`` and Arrow files, and the top-level
+    files of each suffix format (JSONL, Vortex, Parquet: Zephon's ``AUTO_DETECT_ORDER``), in Zephon's precedence
+    (an index first, then the suffixes, then Lance)."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    seen: dict[str, tuple[str, ...]] = {}
+    index = _read_index(folder)
+    if index is not None and "config" in index and "chunks" in index:
+        seen["litdata"] = (_MDS_OR_LITDATA_INDEX,)
+    elif index is not None and "shards" in index and "format_version" not in index:  # Zephon's index has one
+        seen["mds"] = (_MDS_OR_LITDATA_INDEX,)
+    seen.update(files_by_format(names))
+    versions = folder / "_versions"
+    manifests = sorted(p.name for p in versions.iterdir() if p.name.endswith(".manifest")) if versions.is_dir() else []
+    if manifests:
+        seen["lance"] = tuple(f"_versions/{n}" for n in manifests)
+    arrow = tuple(n for n in names if n.endswith(".arrow"))
+    if "state.json" in names and arrow:
+        seen["hf"] = ("state.json", *arrow)
+    return seen
+
+
 def detect(folder: Path) -> str | None:
     """The format of ``folder`` when it is one this module opens (LitData, Lance, Vortex, MDS, Hugging Face);
     ``None`` otherwise (JSONL/Parquet shards, or nothing: ``shards.list_shards`` decides and explains)."""
     if not folder.is_dir():
         return None
-    index = _read_index(folder)
-    if index is not None:
-        if "config" in index and "chunks" in index:
-            return "litdata"
-        if "shards" in index and "format_version" not in index:  # Zephon's own index has a format_version
-            return "mds"
-    versions = folder / "_versions"
-    if versions.is_dir() and any(p.name.endswith(".manifest") for p in versions.iterdir()):
-        return "lance"
-    names = [p.name for p in folder.iterdir() if p.is_file()]
-    if "state.json" in names and any(n.endswith(".arrow") for n in names):
-        return "hf"
-    if any(n.endswith(".vortex") for n in names):
-        return "vortex"
-    return None
+    seen = formats_in(folder)
+    return next((kind for kind in ("litdata", "mds", "lance", "hf", "vortex") if kind in seen), None)
 
 
 def owns(configured: str, folder: str | os.PathLike[str], fmt: str | None) -> bool:
@@ -219,18 +232,8 @@ def _lance_files(where: str, folder: Path) -> tuple[tuple[str, ...], tuple[str, 
 
 
 def _vortex_files(where: str, folder: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    shards = tuple(n for n in names if n.endswith(".vortex"))
-    others = [n for n in names if n.endswith((".jsonl", ".parquet")) or ".jsonl." in n]
-    if others:
-        raise ValueError(_err(where, f"{len(shards)} .vortex and {len(others)} JSONL/Parquet files",
-                              "one shard format per directory",
-                              "Zephon reads only the JSONL (or Vortex) files of a mixed directory; split the formats "
-                              "into two sources."))
-    if not shards:
-        raise ValueError(_err(where, os.fspath(folder), "a folder of *.vortex files (none found)",
-                              "Point the source at the folder that holds the Vortex files."))
-    return shards, shards
+    shards = tuple(sorted(p.name for p in folder.iterdir() if p.is_file() and p.name.endswith(".vortex")))
+    return shards, shards  # list_files checked that there is one at least
 
 
 _LISTERS: dict[str, Callable[[str, Path], tuple[tuple[str, ...], tuple[str, ...]]]] = {
@@ -326,15 +329,17 @@ def list_files(where: str, configured: str, folder: str | os.PathLike[str],
     if not path.is_dir():
         raise ValueError(_err(where, os.fspath(path), "an existing directory" if not path.exists() else
                               "a directory (not a file)", f"Point the source at the folder of {configured!r}."))
-    found = detect(path)
+    seen = formats_in(path)
+    refuse_mixed(where, os.fspath(path), seen, next((k for k in seen if k != "hf"), None))  # Zephon's pick
+    found = next(iter(seen), None)  # the folder's one format (or none)
     kind = fmt or found
     spec = FORMATS[kind]
     if spec.unsupported:
         raise ValueError(_described(where, f"{spec.title} ({os.fspath(path)}: {spec.markers})",
                                     f"a format the loader reads ({', '.join(SOURCE_FORMATS)})", spec.unsupported + "."))
-    if found not in (None, kind) or (found is None and kind != "vortex"):
-        seen = FORMATS[found].title if found else "no " + spec.markers
-        raise ValueError(_described(where, f"{seen} in {os.fspath(path)}", f"{spec.title} ({spec.markers})",
+    if found != kind:
+        seen_text = FORMATS[found].title if found else "no " + spec.markers
+        raise ValueError(_described(where, f"{seen_text} in {os.fspath(path)}", f"{spec.title} ({spec.markers})",
                                     f"Set format: {found} (or null)." if found else
                                     f"Point the source at {spec.title}, or set format: null."))
     require_packages(spec, where)

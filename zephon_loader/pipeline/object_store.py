@@ -17,8 +17,12 @@ obstore); this module adds what the loader needs around that read:
   S3: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
   ``~/.aws/credentials`` with ``AWS_PROFILE``, ``AWS_REGION``, instance
   metadata; ``S3_ENDPOINT_URL`` for an S3-compatible store, plain ``http://``
-  allowed). The loader never reads, stores, logs or prints them: a store's
-  error is cut to its status and error code (:func:`store_error`).
+  allowed; checked to be ``http(s)://host[:port]`` at build, :func:`check_endpoint`). The loader never
+  reads, stores, logs or prints them: a store's error is cut to its status and error code
+  (:func:`store_error`), a Rust client's panic is caught as a store failure (:func:`store_raised`), and every
+  URL in a message has its ``user:password@`` and query values masked (:func:`redact`).
+* **Keys**: a prefix or shard key with ``?``, ``#`` or a control character is refused by name
+  (:func:`check_keys`): Zephon's client cuts a URL at ``?``/``#`` and cannot read a tab.
 * **Zephon's shard cache** (:func:`store_options`): Zephon downloads remote
   shards into a cache folder it reuses by name and size; the loader gives it a
   folder keyed by the objects' ETags (under :func:`~zephon_loader.pipeline.shards.cache_dir`),
@@ -33,13 +37,16 @@ import hashlib
 import json
 import os
 import re
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
 
-__all__ = ["EXTRA_OF_SCHEME", "RETRIES", "is_url", "list_objects", "remote_changes", "store_error", "store_options"]
+__all__ = ["ENDPOINT_ENV", "EXTRA_OF_SCHEME", "RETRIES", "check_endpoint", "check_keys", "is_url", "list_objects",
+           "redact", "remote_changes", "store_error", "store_failure", "store_options", "store_raised"]
 
 #: URL scheme -> the ``zephon-loader`` extra that installs its client (all are Zephon's ``cloud`` extra).
 EXTRA_OF_SCHEME = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure", "abfs": "azure",
@@ -90,12 +97,78 @@ def check_url(where: str, url: str) -> str:
     rest = url.split("://", 1)[1].strip("/")
     if not rest:
         raise ValueError(_err(where, url, f"{scheme}://<bucket>/<prefix>", "Name the bucket (and the prefix)."))
+    if "@" in rest.split("/", 1)[0]:
+        raise ValueError(_err(where, redact(url), f"{scheme}://<bucket>/<prefix> without credentials",
+                              f"Remove the user:password@ part; give the credentials as {_CHECK_CREDENTIALS}."))
+    bucket, _, prefix = rest.partition("/")
+    check_keys(where, f"{scheme}://{bucket}", [prefix or bucket])
+    if scheme == "s3":
+        check_endpoint()
     try:
         import obstore  # noqa: F401 - Zephon's client for every object store
     except ImportError:
         raise ValueError(_err(where, url, "the object-storage client installed (obstore)",
                               f"Install it: pip install 'zephon-loader[{EXTRA_OF_SCHEME[scheme]}]'.")) from None
     return f"{scheme}://{rest}"
+
+
+_CHECK_CREDENTIALS = ("the environment variables or files your store's client reads (for S3: AWS_ACCESS_KEY_ID/"
+                      "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials)")
+#: The endpoint variable Zephon's S3 client reads (``zephon._internal.io.storage.s3``).
+ENDPOINT_ENV = "S3_ENDPOINT_URL"
+#: Characters a key cannot hold here: Zephon splits a URL with ``urllib.parse`` (``?`` starts a query, ``#`` a
+#: fragment: the key is cut there) and obstore refuses control characters (a tab) in a path.
+_BAD_KEY = re.compile(r"[?#\x00-\x1f\x7f]")
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#@]*@")
+
+
+def redact(url: str) -> str:
+    """A URL (or a value meant as one) with the credentials it may carry masked: ``user:password@`` and the
+    query (``http://***@host:9000/?***``)."""
+    return _USERINFO.sub(r"\1***@", url.split("?", 1)[0]) + ("?***" if "?" in url else "")
+
+
+def check_keys(where: str, url: str, keys: Sequence[str]) -> None:
+    """Refuse object keys (or a prefix) that hold ``?``, ``#`` or a control character: Zephon's client cannot
+    read them (it cuts a URL at ``?``/``#``; obstore refuses a tab), so they would fail with a misleading
+    "not found" or a credentials hint."""
+    bad = [k for k in keys if _BAD_KEY.search(k)]
+    if bad:
+        shown = ", ".join(repr(k) for k in bad[:3]) + (f", and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(_described(where, f"the key(s) {shown} of {url}",
+                                    "object keys without '?', '#' or control characters (a tab, a newline)",
+                                    "Zephon's client cuts a URL at '?' or '#' and cannot read a key with a control "
+                                    "character; copy the objects to keys without them (e.g. '_' instead)."))
+
+
+def check_endpoint() -> None:
+    """Refuse an ``S3_ENDPOINT_URL`` that is not ``http(s)://host[:port]`` before any store is made: one without a
+    scheme made obstore panic (a ``PanicException``, which ``except Exception`` does not catch) naming neither
+    the variable nor the source.
+
+    Raises:
+        ValueError: Naming the variable, its value with any credential masked, and the form expected.
+    """
+    value = os.environ.get(ENDPOINT_ENV)
+    if not value:
+        return
+    parsed = urllib.parse.urlsplit(value)
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is not a number
+        valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ValueError(_err(ENDPOINT_ENV, redact(value), "http://host:port or https://host:port (the address of "
+                                                           "the S3-compatible store, with its scheme)",
+                              f"Set e.g. {ENDPOINT_ENV}=http://127.0.0.1:9000, or unset it for AWS S3; credentials "
+                              f"go in {_CHECK_CREDENTIALS}, not in the URL."))
+
+
+def store_raised(error: BaseException) -> bool:
+    """Whether ``error`` is a store client's failure to report (any ``Exception``, and the ``PanicException`` a
+    Rust client raises, which derives from ``BaseException``), not an interrupt or an exit."""
+    return isinstance(error, Exception) or type(error).__name__ == "PanicException"
 
 
 def store_error(error: BaseException) -> str:
@@ -111,21 +184,29 @@ def store_error(error: BaseException) -> str:
     lowered = text.lower()
     for needle, phrase in (("connection refused", "connection refused"), ("timed out", "timed out"),
                            ("dns error", "the host name does not resolve"), ("tcp connect", "no connection"),
-                           ("error sending request", "no connection"), ("credential", "no usable credentials")):
+                           ("error sending request", "no connection"), ("credential", "no usable credentials"),
+                           ("illegal character", _KEY_PHRASE)):
         if needle in lowered:
             return phrase
     return type(error).__name__
+
+
+_KEY_PHRASE = "an object key the client cannot read (a tab or another control character)"
 
 
 def store_failure(where: str, url: str, error: BaseException, doing: str) -> str:
     """One line for a store that failed: the source, the URL, what the store answered, what to check."""
     endpoint = ""
     if _scheme(url) == "s3":
-        custom = os.environ.get("S3_ENDPOINT_URL")
-        endpoint = f" (endpoint S3_ENDPOINT_URL={custom})" if custom else ""
-    check = _CHECK[EXTRA_OF_SCHEME[_scheme(url)]]
-    return (f"{where}: {doing} {url}{endpoint} failed: {store_error(error)}. Check {check}, and that the store "
-            "is reachable from this machine.")
+        custom = os.environ.get(ENDPOINT_ENV)
+        endpoint = f" (endpoint {ENDPOINT_ENV}={redact(custom)})" if custom else ""
+    answer = store_error(error)
+    if answer == _KEY_PHRASE:
+        advice = ("Copy the objects under it whose keys hold a tab or another control character to keys without "
+                  "them (Zephon's client cannot list or read them).")
+    else:
+        advice = f"Check {_CHECK[EXTRA_OF_SCHEME[_scheme(url)]]}, and that the store is reachable from this machine."
+    return f"{where}: {doing} {redact(url)}{endpoint} failed: {answer}. {advice}"
 
 
 def list_objects(where: str, url: str, doing: str = "listing") -> list[dict[str, Any]]:
@@ -138,7 +219,9 @@ def list_objects(where: str, url: str, doing: str = "listing") -> list[dict[str,
 
     try:
         return store_objects(url)
-    except Exception as error:  # noqa: BLE001 - obstore's errors have no common public base worth naming
+    except BaseException as error:  # obstore's errors have no common base; a Rust panic is a BaseException
+        if not store_raised(error):
+            raise
         raise ValueError(store_failure(where, url, error, doing)) from None
 
 

@@ -49,15 +49,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline import object_store
 from zephon_loader.zephon_compat import compression_of, decompress_to, forget_catalog, jsonl_suffixes
 
-__all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "list_shards", "open_source"]
+__all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "files_by_format", "list_shards", "open_source",
+           "refuse_mixed", "shard_format", "suffix_formats"]
 
 #: Environment variable naming the cache folder (content digests, decoded views).
 CACHE_ENV = "ZEPHON_LOADER_CACHE"
 _PARQUET_SUFFIX = ".parquet"
+_VORTEX_SUFFIXES = (".vortex",)
 _INDEX_NAMES = ("index.json", "_index.json")  # Zephon 0.2's discovery order
 
 #: ``(size, mtime_ns, ctime_ns, inode, device)`` of a file.
@@ -158,8 +161,8 @@ def list_shards(where: str, configured: str, path: Path) -> tuple[tuple[str, ...
         ``(file names, "jsonl" | "parquet")``.
 
     Raises:
-        ValueError: Not an existing folder, no shards, or JSONL and Parquet mixed
-            (Zephon would silently read only the JSONL files).
+        ValueError: Not an existing folder, no shards, or the files of several formats
+            (Zephon would silently read only one of them).
     """
     raw = os.fspath(path)
     if not path.exists():
@@ -169,25 +172,56 @@ def list_shards(where: str, configured: str, path: Path) -> tuple[tuple[str, ...
     return shard_format(where, raw, sorted(p.name for p in path.iterdir() if p.is_file()))
 
 
+def suffix_formats() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The formats Zephon recognises by file-name suffix, with those suffixes, in its precedence order (a folder
+    holding several is read as the first: ``zephon._internal.io.suffixes.AUTO_DETECT_ORDER``)."""
+    return (("jsonl", jsonl_suffixes()), ("vortex", _VORTEX_SUFFIXES), ("parquet", (_PARQUET_SUFFIX,)))
+
+
+def files_by_format(names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Per suffix format (:func:`suffix_formats`) with files among ``names``, those names (order kept)."""
+    found = {kind: tuple(n for n in names if n.endswith(suffixes)) for kind, suffixes in suffix_formats()}
+    return {kind: files for kind, files in found.items() if files}
+
+
+def refuse_mixed(where: str, shown: str, seen: dict[str, Sequence[str]], read: str | None) -> None:
+    """Refuse a folder (or prefix) holding the files of more than one format: Zephon would read one of them and
+    silently skip the others' records.
+
+    Args:
+        where: The source's config location.
+        shown: The folder or prefix URL.
+        seen: Per format found, the files (or marker files) that show it.
+        read: The format Zephon would read (``None``: none of them).
+    """
+    if len(seen) < 2:
+        return
+    parts = [f"{kind} ({', '.join(files[:3])}{f', and {len(files) - 3} more' if len(files) > 3 else ''})"
+             for kind, files in seen.items()]
+    skipped = " and ".join(k for k in seen if k != read)
+    outcome = (f"Zephon reads only the {read} files of such a folder, none of the {skipped} records"
+               if read else "Zephon reads none of them")
+    raise ValueError(_described(where, f"{shown} holding the files of {len(seen)} formats: " + "; ".join(parts),
+                                "one format per folder",
+                                f"{outcome}; move the other format's files out of the folder, or give each format "
+                                "its own folder and source."))
+
+
 def shard_format(where: str, shown: str, names: Sequence[str]) -> tuple[tuple[str, ...], str]:
     """``(shard names, "jsonl" | "parquet")`` among a folder's (or prefix's) sorted file names.
 
     Raises:
-        ValueError: No shards, or JSONL and Parquet mixed.
+        ValueError: No shards, or the files of several formats (:func:`refuse_mixed`).
     """
-    jsonl = tuple(n for n in names if n.endswith(jsonl_suffixes()))
-    parquet = tuple(n for n in names if n.endswith(_PARQUET_SUFFIX))
-    if not jsonl and not parquet:
+    seen = files_by_format(names)
+    if not seen.keys() & {"jsonl", "parquet"}:
         raise ValueError(
             _err(where, shown, "a directory containing *.jsonl or *.parquet shards (none found)",
                  "Point the source at the folder that holds the shard files.")
         )
-    if jsonl and parquet:
-        raise ValueError(
-            _err(where, f"{len(jsonl)} .jsonl and {len(parquet)} .parquet files", "one shard format per directory",
-                 "Zephon reads only the JSONL files of a mixed directory; split the formats into two sources.")
-        )
-    return (jsonl, "jsonl") if jsonl else (parquet, "parquet")
+    kind = next(iter(seen))  # Zephon's precedence
+    refuse_mixed(where, shown, seen, kind)
+    return seen[kind], kind
 
 
 def open_source(name: str, where: str, configured: str, folder: str | os.PathLike[str]) -> SourceFiles:
@@ -229,6 +263,7 @@ def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
     objects = object_store.list_objects(where, url)
     by_name = {o["name"]: o for o in objects}
     files, kind = shard_format(where, url, [o["name"] for o in objects])
+    object_store.check_keys(where, url, files)
     identities = tuple(object_store.identity(by_name[n]) for n in files)
     index = next((n for n in _INDEX_NAMES if n in by_name), None)
     if index is not None:
@@ -237,7 +272,9 @@ def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
         ident = object_store.identity(by_name[index])
         try:
             text = read_object_range(f"{url}/{index}", 0, ident[0]).decode("utf-8")
-        except Exception as error:  # noqa: BLE001 - obstore's errors
+        except BaseException as error:  # obstore's errors; a Rust panic is a BaseException
+            if not object_store.store_raised(error):
+                raise
             raise ValueError(object_store.store_failure(where, f"{url}/{index}", error, "reading")) from None
         # An upload's time is not the content's (a sync may send index.json first): names and sizes only.
         _check_index(where, f"{url}/{index}", text, None, files, [(i[0], 0) for i in identities], kind, url)

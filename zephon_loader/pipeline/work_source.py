@@ -26,7 +26,7 @@ from typing import Any
 
 from zephon_loader.config.schema import LoaderConfig
 from zephon_loader.errors import field_error as _err
-from zephon_loader.pipeline.object_store import is_url, store_failure
+from zephon_loader.pipeline.object_store import is_url, store_failure, store_raised
 from zephon_loader.pipeline.provenance import ShardTable, SourceShards
 from zephon_loader.pipeline.shards import SourceFiles, check_distinct
 from zephon_loader.pipeline.source_checks import check_parquet_columns, check_pass_length, pass_records
@@ -286,7 +286,9 @@ def _discover(zephon: Any, files: SourceFiles) -> Any:
         return zephon.Dataset.from_path(files.name, files.zephon_root)
     try:
         return zephon.Dataset.from_path(files.name, files.zephon_root, fmt=files.kind)
-    except Exception as error:  # noqa: BLE001 - obstore's errors reach here unwrapped
+    except BaseException as error:  # obstore's errors reach here unwrapped; a Rust panic is a BaseException
+        if not store_raised(error):
+            raise
         raise ValueError(store_failure(files.where, files.folder, error, "counting the records of")) from None
 
 
