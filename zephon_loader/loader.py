@@ -29,7 +29,7 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import adapt_model_inputs, join_subdocuments
 from zephon_loader.finalize.final_map import FinalizeSettings, FinalMap
-from zephon_loader.nodes.agreement import PassAgreement
+from zephon_loader.nodes.agreement import PassAgreement, loader_identity
 from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
@@ -213,7 +213,7 @@ class ZephonLoader:
             elif self._stats is not None:
                 self._stats.reset()
             if self._even_passes and self._agreement is None:
-                self._agreement = PassAgreement.for_job()
+                self._agreement = PassAgreement.for_job(loader_identity(self.fingerprint), self.batch_size)
             self._pass_over = False
             self._generation += 1
             self._started = False
@@ -230,6 +230,8 @@ class ZephonLoader:
                 if pending.epoch:
                     source_state[ZephonSource.EPOCH_KEY] = pending.epoch
                 self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
+            if self._agreement is not None:
+                self._agreement.begin_pass(fresh=not resume, epoch=self._source.epoch)
             self._exhausted = self._epoch_chosen = False
             self._consumed = None
             self._started = True

@@ -286,7 +286,10 @@ class DistributedConfig:
             the pass ends for all at the shortest rank's count, and what the
             others had left comes first in the next epoch (one small
             ``all_reduce`` per batch). ``false``: each rank's pass ends with
-            its own lanes (train by steps then).
+            its own lanes (train by steps then). With it, every rank of the
+            process group iterates the loader (else ``AgreementError`` at the
+            first batch) and has a batch in each pass (else ``EmptyRankError``):
+            build a loader read on some ranks only with ``dp_world_size=1``.
     """
 
     canonical_replicas: int | None = None
