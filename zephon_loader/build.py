@@ -102,7 +102,7 @@ def build_loader(
         loader_class = stage.loader_class
     elif not (isinstance(loader_class, type) and issubclass(loader_class, stage.loader_class)):
         raise TypeError(f"loader_class: got {loader_class!r}, expected a subclass of {stage.loader_class.__name__}")
-    return loader_class(
+    loader = loader_class(
         ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
         CountingCollate(stage.collate(built)),
         settings,
@@ -117,6 +117,10 @@ def build_loader(
         even_passes=cfg.passes is not None and cfg.distributed.even_passes and dp.size > 1,
         **stage.loader_kwargs(),
     )
+    close_first = getattr(stage, "close_first", None)
+    if close_first is not None:  # runner: ray: closed at exit while Ray is up (pipeline/ray_runner.py)
+        close_first(loader._finalizer)
+    return loader
 
 
 def build_text_loader(

@@ -31,7 +31,7 @@ import torch
 from zephon_loader import fields as F
 from zephon_loader.attention import adapt_model_inputs, join_subdocuments
 from zephon_loader.finalize.final_map import FinalizeSettings, FinalMap
-from zephon_loader.nodes.agreement import PassAgreement
+from zephon_loader.nodes.agreement import PassAgreement, loader_identity
 from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
@@ -230,7 +230,7 @@ class ZephonLoader:
             self._check_ranks()
             pending, self._pending = self._pending, None
             if self._even_passes and self._agreement is None:
-                self._agreement = PassAgreement.for_job()
+                self._agreement = PassAgreement.for_job(loader_identity(self.fingerprint), self.batch_size)
             self._generation += 1
             # A new pass after an ended one carries in what the ranks had left (an ended loaded state's carry, or
             # the agreement's): kept so that set_epoch() before the first batch can restart the pass with it.
@@ -266,6 +266,8 @@ class ZephonLoader:
             if pending.epoch:
                 source_state[ZephonSource.EPOCH_KEY] = pending.epoch
             self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
+        if self._agreement is not None:
+            self._agreement.begin_pass(fresh=not resume, epoch=self._source.epoch)
         self._exhausted = self._epoch_chosen = False
         self._consumed = None
         self._pass_resumed = resume

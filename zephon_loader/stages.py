@@ -134,6 +134,11 @@ class TextStage:
         if lease is not None:
             lease.release()
 
+    def close_first(self, close: Callable[[], Any]) -> None:
+        """``runner: ray``: at exit, ``close`` (the loader's finalizer) runs before Ray shuts down."""
+        if self._ray is not None:
+            self._ray.close_first(close)
+
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
                        run_id_suffix: str = "") -> Any:
         built = build_pipeline(self.cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,

@@ -196,8 +196,11 @@ class RuntimeConfig(RunnerOptions):
             and resume as ``threads``; needs ``pip install 'zephon-loader[ray]'``
             and text or chat input. The loader uses the process's Ray
             (``ray.init(address=...)`` before building it; never shut down by the
-            loader), else starts a local instance sized to this process's cores
-            and shuts it down when its last loader closes. The text tokenizer
+            loader), else starts a local instance sized to this process's cores,
+            listening on 127.0.0.1 only, and shuts it down when its last loader
+            closes (also at exit, before Ray's own shutdown, for a loader left
+            open; SIGTERM shuts it down and ends the process by SIGTERM, status
+            143, where the process had the default handler). The text tokenizer
             reaches the actors inside the operator; in chat mode Zephon loads the
             tokenizer folder on each actor, so on a cluster of several machines it
             must be readable at the same path on every node.
@@ -297,7 +300,10 @@ class DistributedConfig:
             the pass ends for all at the shortest rank's count, and what the
             others had left comes first in the next epoch (one small
             ``all_reduce`` per batch). ``false``: each rank's pass ends with
-            its own lanes (train by steps then).
+            its own lanes (train by steps then). With it, every rank of the
+            process group iterates the loader (else ``AgreementError`` at the
+            first batch) and has a batch in each pass (else ``EmptyRankError``):
+            build a loader read on some ranks only with ``dp_world_size=1``.
     """
 
     canonical_replicas: int | None = None

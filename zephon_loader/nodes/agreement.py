@@ -17,6 +17,19 @@ still read once per pass and an epoch is "the same number of batches on
 every rank: the shortest rank's count of that pass, the others' leftovers
 coming first in the next".
 
+Two cases have no such epoch and fail at once, on every rank, instead:
+
+* A rank with no batch at all in a pass started from its beginning (its
+  lanes hold no record: fewer records than the ranks can share): the pass
+  would end at 0 batches on every rank, every epoch, while the others'
+  carried batches pile up. :class:`EmptyRankError` names the ranks and the fix.
+* A loader iterated on some ranks only (evaluation on rank 0): the agreement
+  needs every rank of the process group. At the loader's first batch the
+  ranks meet in the process group's store (no collective: a rank alone can
+  wait there); one that waited :data:`START_TIMEOUT_S` for the others raises
+  :class:`AgreementError` naming ``distributed.even_passes`` and the fix,
+  and so does a rank whose peers are at another loader's first batch.
+
 Not used with one rank, with ``passes: null`` (there is no pass end), without
 a process group (ranks given as ``dp_rank``/``dp_world_size`` and a shared
 folder: each rank's pass ends with its lanes), or with
@@ -25,29 +38,91 @@ folder: each rank's pass ends with its lanes), or with
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any, Mapping, Sequence
 
-__all__ = ["PassAgreement"]
+__all__ = ["AgreementError", "EmptyRankError", "PassAgreement", "START_TIMEOUT_ENV", "START_TIMEOUT_S"]
+
+_log = logging.getLogger("zephon_loader")
+
+#: Environment variable: seconds a rank waits at a loader's first batch for the other ranks to reach it.
+START_TIMEOUT_ENV = "ZEPHON_LOADER_AGREEMENT_TIMEOUT_S"
+#: Default of :data:`START_TIMEOUT_ENV`; a warning names the ranks still missing after a sixth of it.
+START_TIMEOUT_S = 60.0
+#: Where the ranks meet in the process group's store.
+_STORE_PREFIX = "zephon_loader/agreement"
+
+_FIX = ("To iterate a loader on some ranks only (e.g. evaluation on rank 0), build it with dp_rank=0, "
+        "dp_world_size=1 (that rank reads every record) or with distributed.even_passes: false (each rank reads "
+        "its own lanes and its pass ends with them)")
+
+
+class AgreementError(RuntimeError):
+    """The ranks of the process group do not iterate this loader together (``distributed.even_passes``)."""
+
+
+class EmptyRankError(RuntimeError):
+    """A rank has no batch in a pass: an even pass would hold no batch (``distributed.even_passes``)."""
+
+
+def start_timeout_s() -> float:
+    """:data:`START_TIMEOUT_ENV` if set (seconds > 0), else :data:`START_TIMEOUT_S`."""
+    value = os.environ.get(START_TIMEOUT_ENV)
+    if not value:
+        return START_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{START_TIMEOUT_ENV}: got {value!r}, expected seconds > 0 (default {START_TIMEOUT_S:g})")
+    return seconds
+
+
+def loader_identity(fingerprint: Mapping[str, Any]) -> str:
+    """What names a loader across ranks: its sources and a digest of its (rank-independent) fingerprint."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    names = [str(source[0]) for source in fingerprint.get("sources", []) if source]
+    return f"sources {names}, fingerprint {digest}"
 
 
 class PassAgreement:
     """One ``all_reduce(MIN)`` per batch over every rank of the default process group, on a gloo group.
 
     The group is made at the first :meth:`exchange` (``new_group`` is itself a
-    collective: every rank makes it at its first ``next()``, in step).
+    collective: every rank makes it at its first ``next()``, in step), after the
+    ranks met in the store (:meth:`_meet`).
+
+    Args:
+        identity: Names the loader across ranks (:func:`loader_identity`).
+        micro_batch_size: ``B``, for the messages.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, identity: str = "", micro_batch_size: int | None = None) -> None:
         self._group: Any = None
+        self._identity = identity
+        self._micro_batch_size = micro_batch_size
+        self._first = False  # the next exchange is the first of a pass
+        self._fresh = False  # that pass starts from its beginning (not a resumed state)
+        self._epoch: int | None = None
+        self._failed: EmptyRankError | None = None  # this pass's: raised again, without a collective
 
     @classmethod
-    def for_job(cls) -> "PassAgreement | None":
+    def for_job(cls, identity: str = "", micro_batch_size: int | None = None) -> "PassAgreement | None":
         """An agreement when ``torch.distributed`` is initialized with several ranks, else ``None``."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return cls()
+            return cls(identity, micro_batch_size)
         return None
+
+    def begin_pass(self, fresh: bool, epoch: int | None = None) -> None:
+        """A pass begins (``iter()``): from its beginning (``fresh``) or from a loaded state, in ``epoch``."""
+        self._first, self._fresh, self._epoch, self._failed = True, fresh, epoch, None
 
     def exchange(self, has_batch: bool, drained: Sequence[bool]) -> tuple[bool, bool, list[bool]]:
         """Every rank's answer, combined.
@@ -59,14 +134,98 @@ class PassAgreement:
 
         Returns:
             ``(every rank has one, some rank has one, per pipeline: every rank has read all of it)``.
+
+        Raises:
+            AgreementError: At the loader's first batch, the other ranks did not reach it in time (or are at
+                another loader's).
+            EmptyRankError: At the first batch of a pass started from its beginning, some ranks have none
+                and others have some (every rank raises it).
         """
         import torch
         import torch.distributed as dist
 
+        if self._failed is not None:  # every rank raised it at the same batch: again, on every rank
+            raise self._failed
         if self._group is None:
+            self._meet()
             self._group = dist.new_group(backend="gloo")
         values = torch.tensor([int(has_batch), -int(has_batch), *map(int, drained)], dtype=torch.int64)
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self._group)
         out = values.tolist()
-        return bool(out[0]), bool(-out[1]), [bool(v) for v in out[2:]]
+        every, some = bool(out[0]), bool(-out[1])
+        first, self._first = self._first, False
+        if first and self._fresh and some and not every:  # the same on every rank: every rank raises
+            self._failed = self._empty_ranks(has_batch)
+            raise self._failed
+        return every, some, [bool(v) for v in out[2:]]
 
+    def _empty_ranks(self, has_batch: bool) -> EmptyRankError:
+        """The error naming the ranks without a batch (one more ``all_reduce``, on every rank)."""
+        import torch
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        empty = torch.zeros(world, dtype=torch.int64)
+        empty[dist.get_rank()] = int(not has_batch)
+        dist.all_reduce(empty, op=dist.ReduceOp.SUM, group=self._group)
+        ranks = [rank for rank, none in enumerate(empty.tolist()) if none]
+        epoch = f"epoch {self._epoch}'s pass" if self._epoch is not None else "this pass"
+        batch = f" x micro_batch_size {self._micro_batch_size}" if self._micro_batch_size else ""
+        return EmptyRankError(
+            f"distributed.even_passes: rank(s) {ranks} of the {world} in the process group have no batch in "
+            f"{epoch} (their Zephon lanes hold no record: the sources have fewer records than {world} ranks"
+            f"{batch} can share), so a pass even on every rank would hold 0 batches, every epoch. Read this "
+            "loader on fewer ranks (dp_rank=0, dp_world_size=1 reads every record on each rank, as validation "
+            "loaders do), give it more records, or set distributed.even_passes: false (each rank reads its own "
+            "lanes, a rank without records yields no batch: no collective per batch in the loop then)"
+        )
+
+    def _meet(self) -> None:
+        """Wait until every rank reached its first batch of this loader, in the default group's store.
+
+        The ``n``-th loader a rank starts meets the others' ``n``-th: each rank sets
+        ``<prefix>/<n>/<rank>`` to the loader's identity and waits for every rank's key (a store
+        wait needs no other rank, unlike ``new_group``). A rank missing after the timeout, or one
+        at another loader, is an :class:`AgreementError` naming the fix.
+        """
+        import torch.distributed as dist
+
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store to meet in (a torch without it): go on to new_group
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        timeout = start_timeout_s()
+        n = store.add(f"{_STORE_PREFIX}/count/{rank}", 1)
+        keys = [f"{_STORE_PREFIX}/{n}/{k}" for k in range(world)]
+        store.set(keys[rank], self._identity)
+        started = time.monotonic()
+        warn_at = started + timeout / 6
+        pause = 0.005
+        while not store.check(keys):  # polled: a timed-out store.wait() logs a C++ warning each time
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+            now = time.monotonic()
+            if now < warn_at and now - started < timeout:
+                continue
+            missing = [k for k, key in enumerate(keys) if not store.check([key])]
+            if now - started >= timeout:
+                raise AgreementError(
+                    f"distributed.even_passes: rank {rank} began iterating this loader ({self._identity}), but "
+                    f"rank(s) {missing} of the {world} in the process group did not within {timeout:g} s. With "
+                    "even_passes (the default) every rank of the process group iterates the loader together: "
+                    f"before each batch the ranks agree whether the pass goes on. {_FIX}. A rank that is only "
+                    f"late: raise {START_TIMEOUT_ENV} (seconds)"
+                )
+            _log.warning("zephon_loader: rank %d waits for rank(s) %s to begin iterating this loader (%s); with "
+                         "distributed.even_passes every rank must iterate it, it fails after %g s", rank, missing,
+                         self._identity, timeout)
+            warn_at = float("inf")
+        others = {k: store.get(key).decode() for k, key in enumerate(keys)}
+        foreign = sorted(k for k, identity in others.items() if identity != self._identity)
+        if foreign:
+            raise AgreementError(
+                f"distributed.even_passes: rank {rank} began iterating this loader ({self._identity}) while "
+                f"rank(s) {foreign} began another ({others[foreign[0]]}): the ranks' loaders would pair each "
+                f"other's batches. Iterate the loaders in the same order on every rank. {_FIX}"
+            )

@@ -408,6 +408,9 @@ class ZephonSource(BaseNode):
                 self._carry, self._pending_carry = self._pending_carry, None
             elif self._next_epoch != self.epoch:  # another epoch, nothing carried into it
                 self._carry = []
+            # A pass of epoch e from its beginning reads all of e again: what an earlier pass of e left is in it
+            # (set_epoch(e) pinned before every pass: the chain stays one pipeline, its epochs unique).
+            self._carry = [link for link in self._carry if link[self.EPOCH_KEY] != self._next_epoch]
             links = [(link[self.EPOCH_KEY], link[self.STATE_KEY], link.get(self.SKIP_KEY) or {})
                      for link in self._carry]
             self._build_chain(links + [(self._next_epoch, None, {})])
