@@ -41,34 +41,40 @@ def steps(accelerator, model, optimizer, batches, n: int) -> list[str]:
     return seen
 
 
-def build(accelerator):
+def build(accelerator, how: str = "hooks"):
+    """``how``: ``hooks`` (checkpoint_loaders), ``register`` (Accelerate's register_for_checkpointing)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(512, 8), torch.nn.Linear(8, 512))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = build_text_loader(demo_config(passes=None))
     prepared = accelerator.prepare(model, optimizer, loader)
-    handles = checkpoint_loaders(accelerator, prepared[2])
+    if how == "register":
+        accelerator.register_for_checkpointing(prepared[2])
+        handles = None
+    else:
+        handles = checkpoint_loaders(accelerator, prepared[2])
     return (*prepared, loader, handles)
 
 
-def main(out: Path) -> int:
+def main(out: Path, how: str = "hooks") -> int:
     accelerator = Accelerator(cpu=True)
-    model, optimizer, prepared, loader, _ = build(accelerator)
+    model, optimizer, prepared, loader, _ = build(accelerator, how)
     batches = iter(prepared)
     head = steps(accelerator, model, optimizer, batches, 6)
     accelerator.save_state(str(out / "ckpt"))
     reference = steps(accelerator, model, optimizer, batches, 6)
     loader.close()
     accelerator = Accelerator(cpu=True)  # the resumed run: a new accelerator, model, optimizer and loader
-    model, optimizer, again, loader2, _ = build(accelerator)
+    model, optimizer, again, loader2, _ = build(accelerator, how)
     accelerator.load_state(str(out / "ckpt"))
     resumed = steps(accelerator, model, optimizer, iter(again), 6)
     loader2.close()
     record = {"head": head, "reference": reference, "resumed": resumed, "same_object": prepared is loader,
-              "files": sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("zephon_loader"))}
+              "files": sorted(p.name for p in (out / "ckpt").iterdir()
+                              if p.name.startswith(("zephon_loader", "custom_checkpoint")))}
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), *sys.argv[2:]))

@@ -195,15 +195,26 @@ class NaiveTrainer(transformers.Trainer):
 def test_a_plain_trainer_cannot_resume_this_loader(uninterrupted, vocab_size, tmp_path):
     loader_config, attention = uninterrupted["config"], uninterrupted["attention"]
     checkpoint = str(uninterrupted["dir"] / f"checkpoint-{SAVE_STEPS}")
-    # Its default resume fast-forwards with accelerate's skip_first_batches, which rebuilds a DataLoader.
-    with pytest.raises(AttributeError, match="dataset"):
+    # Its default resume fast-forwards with accelerate's skip_first_batches, which rebuilds a DataLoader: refused,
+    # naming the fix.
+    with pytest.raises(AttributeError, match=r"skip_first_batches.*resumes itself.*ZephonTrainer"):
         train(loader_config, vocab_size, tmp_path / "a", resume=checkpoint, trainer_cls=NaiveTrainer,
               attention=attention, per_device_train_batch_size=2)
-    # Without data skipping it restarts the stream: the comparison with the uninterrupted run catches that.
-    seen, _, _, _ = train(loader_config, vocab_size, tmp_path / "b", resume=checkpoint, trainer_cls=NaiveTrainer,
-                       attention=attention, per_device_train_batch_size=2, ignore_data_skip=True)
+    # Without data skipping it restarts the stream: the loader warns that nothing checkpoints it, and the
+    # comparison with the uninterrupted run catches the restart.
+    with pytest.warns(RuntimeWarning, match="does not checkpoint it"):
+        seen, _, _, _ = train(loader_config, vocab_size, tmp_path / "b", resume=checkpoint, trainer_cls=NaiveTrainer,
+                              attention=attention, per_device_train_batch_size=2, ignore_data_skip=True)
     assert not torch.equal(seen[0], uninterrupted["seen"][SAVE_STEPS * ACCUMULATION])
     assert torch.equal(seen[0], uninterrupted["seen"][0])
+
+
+def test_a_stock_trainer_given_the_loader_as_its_dataset_names_zephon_trainer(loader_config, vocab_size, tmp_path):
+    with build_text_loader(loader_config) as loader:
+        trainer = transformers.Trainer(model=tiny_llama(vocab_size), args=training_args(tmp_path),
+                                       train_dataset=loader)
+        with pytest.raises(TypeError, match=r"no len\(\).*ZephonTrainer\(train_loader=loader"):
+            trainer.train()
 
 
 def test_resume_refuses_a_checkpoint_without_or_with_a_foreign_loader_state(uninterrupted, vocab_size, tmp_path):

@@ -273,12 +273,14 @@ class ZephonTrainer(Trainer):
         self._model_name = type(unwrapped).__name__ if unwrapped is not None else "the model"
         if self.train_loader is not None:
             self._check_data_parallel(self.train_loader, "train_loader")
-            if self.train_loader.dp_world_size > 1 and self.train_loader.fingerprint.get("passes", 1) is not None:
+            if (self.train_loader.dp_world_size > 1 and self.train_loader.fingerprint.get("passes", 1) is not None
+                    and not self.train_loader._even_passes):
                 # Lanes end a pass at different steps: a rank that chains into its next epoch alone is out of step.
                 logger.warning(
                     "ZephonTrainer: train_loader is finite (passes=%s) with %d data-parallel ranks; their lanes end a "
                     "pass at different steps, so a run that crosses a pass boundary goes out of step. Set passes: "
-                    "null (an endless stream; the Trainer stops at max_steps).",
+                    "null (an endless stream; the Trainer stops at max_steps), or leave distributed.even_passes on "
+                    "(every rank then ends its pass at the same batch).",
                     self.train_loader.fingerprint.get("passes", 1), self.train_loader.dp_world_size)
         for name, loader in _eval_items(self.eval_loader):
             self._check_data_parallel(loader, name)
