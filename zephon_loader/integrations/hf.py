@@ -34,7 +34,10 @@ What :class:`ZephonTrainer` changes against a stock ``Trainer``, and why:
   next epoch (its own order from ``(seed, epoch)``; the epoch is in its
   state), so accumulation windows run across pass boundaries and the Trainer's
   epoch counter (always 0 with ``max_steps`` on an unsized loader, also after a
-  resume) never reaches the loader. A fresh ``train()`` starts at epoch 0; each
+  resume) never reaches the loader. The training batches are read one ahead
+  inside a pass, so the step that trains a pass's last batch knows it: the
+  ``"epoch"`` save, evaluation and logging strategies act there, and a
+  checkpoint there holds an ended pass. A fresh ``train()`` starts at epoch 0; each
   evaluation reads epoch 0 of its loader, so every evaluation sees the same
   batches.
 * **Labels.** The loader's ``labels`` are next-token targets (already shifted,
