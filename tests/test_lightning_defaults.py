@@ -126,3 +126,11 @@ def test_ddp_two_processes_resume_exactly_from_lightnings_default_checkpoints(tm
             total = sum(per_epoch[: resume["max_epochs"]])
             assert len(head[rank]) + len(tail[rank]) == total, (name, rank)
             assert steps(head[rank]) + steps(tail[rank]) == steps(full[rank])[:total], (name, rank)
+
+
+def test_a_loader_rebuilt_every_epoch_reads_the_trainers_epoch(tmp_path, full):
+    """reload_dataloaders_every_n_epochs=1 with the loader built in train_dataloader(): each epoch's new loader
+    starts at its epoch 0 and Lightning's set_epoch comes after its fetcher pulled a batch; the callback restarts
+    it at the trainer's epoch, so the run reads the same epochs as one loader does."""
+    trained, _ = C.fit(tmp_path, max_epochs=3, reload_dataloaders_every_n_epochs=1)
+    assert steps(trained) == steps(full["plain"])

@@ -24,7 +24,9 @@ the trainer by itself when the user did not (at its first ``iter()``):
   ``on_train_start`` the callback loads the state Lightning skipped (when its
   pass had ended: what the ranks had left comes first), and when a loader's
   pass is not the epoch Lightning trains next, restarts it there
-  (``set_epoch``, then a new ``iter()`` of Lightning's fetcher).
+  (``set_epoch``, then a new ``iter()`` of Lightning's fetcher); again at each
+  ``on_train_epoch_start`` (a loader rebuilt by
+  ``reload_dataloaders_every_n_epochs`` starts at its epoch 0).
 
 ::
 
@@ -69,6 +71,10 @@ class ZephonLoaderCallback(pl.Callback):
     """Keeps the training loaders on the batches and the epoch Lightning trains (see the module docstring)."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        align_with_trainer(trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        # A loader Lightning rebuilt for this epoch (reload_dataloaders_every_n_epochs) started at its epoch 0.
         align_with_trainer(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
