@@ -584,3 +584,54 @@ def test_the_text_picture_never_draws_the_same_panel_twice(loader_yaml):
     titles = [axis.get_title() for axis in figure.axes]
     plt.close(figure)
     assert titles[:2] == ["document ids per row", "attention ranges per row (what attention sees)"]
+
+
+def test_every_error_names_the_configuration_and_the_build_says_what_it_does(capsys, loader_yaml, tmp_path):
+    """A newcomer's run: one progress line while the loader is built, the first batch's time, and errors that
+    name the YAML file (a missing source folder used to lose it)."""
+    good = loader_yaml()
+    assert cli.main(["run", str(good), "--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"zephon-loader: building the loader of {good} (2 source(s)" in err
+    assert re.search(r"zephon-loader: first batch after \d+\.\d\d s", err)
+    bad = loader_yaml(name="missing.yaml", sources=[{"name": "web", "path": str(tmp_path / "nope"), "weight": 1}])
+    assert cli.main(["run", str(bad)]) == 2
+    assert f"zephon-loader: error: {bad}: dataloader.sources[0].path ('web')" in capsys.readouterr().err
+
+
+def test_a_missing_text_field_names_the_setting_and_whether_any_record_has_it(capsys, loader_yaml, tmp_path):
+    folder = tmp_path / "other_field"
+    folder.mkdir()
+    (folder / "part-0.jsonl").write_text("".join(json.dumps({"content": f"document {i} " * 20}) + "\n"
+                                                 for i in range(30)))
+    config = loader_yaml(name="field.yaml", sources=[{"name": "web", "path": str(folder), "weight": 1}])
+    assert cli.main(["run", str(config), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 30 records of this shard has 'text'" in err
+    assert "Set tokenizer.text_field to the field that holds the text (tokenizer.text_field is 'text' now)" in err
+
+
+def test_rows_longer_than_the_tokenizers_model_max_length_are_warned_with_both_numbers(
+        loader_yaml, tokenizer_dir, tmp_path, capfd):
+    """sequence_length beyond model_max_length: one warning naming both numbers and the setting; transformers'
+    own "Token indices sequence length is longer ..." (about documents, which the loader packs) stays quiet."""
+    import shutil
+    import warnings
+
+    from zephon_loader import build_text_loader
+
+    short = tmp_path / "tokenizer_8"
+    shutil.copytree(tokenizer_dir, short)
+    settings = json.loads((short / "tokenizer_config.json").read_text())
+    (short / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 8}))
+    config = loader_yaml(name="long.yaml", tokenizer={"path": str(short)})
+    with pytest.warns(UserWarning, match=r"sequence_length: got 48, more than the tokenizer's model_max_length 8 "
+                                         r".*Set sequence_length <= 8"):
+        with build_text_loader(config) as loader:
+            next(iter(loader))
+    assert "Token indices sequence length" not in capfd.readouterr().err  # transformers logs to stderr itself
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with build_text_loader(loader_yaml(name="fits.yaml", tokenizer={"path": str(short)},
+                                           sequence_length=8)) as loader:
+            next(iter(loader))

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from zephon_loader import __version__
 from zephon_loader import fields as F
-from zephon_loader.cli.configs import WRAP_HINT, config_and_builder, config_path, no_batch_error
+from zephon_loader.cli.configs import WRAP_HINT, config_and_builder, config_path, no_batch_error, progress
 from zephon_loader.cli.inspect import image_counts, inspect
 from zephon_loader.zephon_compat import worker_crash_info
 
@@ -138,6 +138,8 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg, build = config_and_builder(config)
+    progress(f"building the loader of {config} ({len(cfg.sources)} source(s); the shards are listed and checked "
+             "first)")
     if cfg.passes is None and steps is None:
         print("zephon-loader: this stream is endless (passes: null): stop it with Ctrl-C (the report so far is "
               "printed) or pass --steps N", file=sys.stderr)
@@ -150,6 +152,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
             for batch in tqdm(loader, total=steps, desc="batches", unit="batch", file=sys.stderr, leave=False):
                 if first is None:
                     first = batch
+                    progress(f"first batch after {time.perf_counter() - started:.2f} s")
                 pad = batch[F.PADDING_MASK]
                 batches += 1
                 rows += pad.shape[0]
@@ -296,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = _user_error(error)
         if message is None:
             raise  # a bug: keep the traceback for the report
+        name = str(config)
+        if name not in message:  # every error names the configuration it came from
+            message = f"{name}: {message}"
         print(f"zephon-loader: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0

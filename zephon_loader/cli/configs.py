@@ -11,6 +11,8 @@ Importing this module imports neither torch, Zephon nor numpy: each function imp
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 
 from collections.abc import Mapping
@@ -111,3 +113,8 @@ def no_batch_error(config: Path, dropped: dict[str, Any]) -> ValueError:
         + (f"every record was dropped ({counts}); " + "; ".join(fixes) if dropped
            else "the sources yielded no record and nothing was dropped; add data")
     )
+
+
+def progress(message: str) -> None:
+    """One line on stderr while a command works (its report goes to stdout)."""
+    print(f"zephon-loader: {message}", file=sys.stderr, flush=True)

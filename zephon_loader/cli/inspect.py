@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from zephon_loader import fields as F
-from zephon_loader.cli.configs import config_and_builder, no_batch_error
+from zephon_loader.cli.configs import config_and_builder, no_batch_error, progress
 
 if TYPE_CHECKING:
     import numpy as np
@@ -76,6 +76,7 @@ def inspect(config: str | Path, out_png: str | Path, row: int = 0) -> Path:
 
     config, out_png = Path(config), Path(out_png)
     cfg, build = config_and_builder(config)
+    progress(f"building the loader of {config} to draw its first batch ({len(cfg.sources)} source(s))")
     image = isinstance(cfg, ImageLoaderConfig)
     rows = cfg.micro_batch_size
     if rows is not None and (isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < rows):

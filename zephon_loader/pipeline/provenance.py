@@ -79,6 +79,35 @@ class ShardTable:
         line = _physical_line(src.text_path(shard), index)
         return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")
 
+    def field_presence(self, sample_id: Sequence[int], field: str, limit: int = 10_000) -> str:
+        """How many records of the shard holding ``sample_id`` have ``field`` (at most ``limit`` read; this error
+        path only): ``"none of the 50 records of this shard has 'text'"``; ``""`` when it cannot be told."""
+        dataset, shard = int(sample_id[0]), int(sample_id[1])
+        if not 0 <= dataset < len(self.sources) or not 0 <= shard < len(self.sources[dataset].files):
+            return ""
+        src = self.sources[dataset]
+        if src.kind != "jsonl":
+            return ""
+        seen = having = 0
+        try:
+            with _open_text(src.text_path(shard)) as handle:
+                for line in handle:
+                    if line.isspace():
+                        continue
+                    seen += 1
+                    try:
+                        having += isinstance(record := json.loads(line), dict) and field in record
+                    except ValueError:
+                        pass
+                    if seen >= limit:
+                        break
+        except OSError:
+            return ""
+        first = f"the first {seen}" if seen >= limit else f"the {seen}"
+        if not having:
+            return f"none of {first} records of this shard has {field!r}"
+        return f"{having} of {first} records of this shard have {field!r}"
+
     def unparsable(self, error: Exception) -> BadRecordError:
         """The error for a JSONL line Zephon's reader could not parse, naming the shard and line.
 

@@ -216,6 +216,9 @@ class RecordOperator:
         if (self.oversized if reason == LONGER_THAN_ROW else self.policy) == "error":
             hint = ("" if reason == LONGER_THAN_ROW else
                     " (or set on_bad_record: skip to leave such records out, counted in loader.stats())")
+            presence = getattr(self.shards, "field_presence", None)
+            if reason == "missing_field" and presence is not None and (presence := presence(meta.sample_id, field)):
+                seen = f"{seen} ({presence})"
             raise BadRecordError(f"{where}: field {field!r} got {seen}, expected {expected}. {fix}{hint}")
         self.log.append({
             "key": [int(meta.lane_id), int(meta.chunk_id), int(meta.chunk_offset), list(meta.lineage)],
@@ -278,13 +281,16 @@ class CheckRawRecords(RecordOperator):
         super().__init__(**kwargs)
         self.mode = mode
         self.field = field
+        setting = "tokenizer.text_field" if mode == "text" else "tokenizer.chat_field"
+        self.missing_fix = (f"Set {setting} to the field that holds the {'text' if mode == 'text' else 'messages'} "
+                            f"({setting} is {field!r} now), or add {field!r} to every record.")
         self.max_record_bytes = max_record_bytes
         self.special_strings = tuple(s for s in special_strings if s)
 
     def process(self, payload: Any, sample_id: Any) -> tuple[Any, Problem | None]:
         """The record unchanged, or ``(None, problem)``."""
         field = self.field
-        problem = self.require_field(payload, field, f"Add {field!r} to every record or set the field name.")
+        problem = self.require_field(payload, field, self.missing_fix)
         if problem is not None:
             return None, problem
         value = payload[field]

@@ -17,6 +17,7 @@ a chat template exists), before any Zephon worker starts.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,6 +210,32 @@ def build_pipeline(
 # ----------------------------------------------------------------------------- stages
 
 
+#: transformers' ``model_max_length`` when a tokenizer folder sets none (``VERY_LARGE_INTEGER``, int(1e30)).
+_NO_LIMIT = 10**18
+
+
+def check_sequence_length(sequence_length: int, tokenizer: Any, path: Any) -> None:
+    """Warn when rows are longer than the tokenizer says its model takes; quiet transformers' own warning.
+
+    The loader tokenizes whole documents and packs them into rows of ``sequence_length``, so a document longer
+    than ``model_max_length`` is expected; transformers' "Token indices sequence length is longer ... will result
+    in indexing errors" (once per tokenizer) would point at the wrong thing. What reaches the model is the row:
+    that is what is compared here.
+    """
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < _NO_LIMIT and sequence_length > limit:
+        warnings.warn(
+            f"dataloader.sequence_length: got {sequence_length}, more than the tokenizer's model_max_length "
+            f"{limit} ({path}/tokenizer_config.json): a model made for {limit} positions would see positions up to "
+            f"{sequence_length - 1} (an index error, or silently wrong position embeddings). Set sequence_length <= "
+            f"{limit}, or, if the model takes longer rows, set model_max_length in that tokenizer_config.json",
+            UserWarning, stacklevel=4,
+        )
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(flags, dict):
+        flags["sequence-length-is-longer-than-the-specified-maximum"] = True  # transformers' once-flag
+
+
 def _load_tokenizer(config: TextLoaderConfig, mode: str, tokenizer_dir: Any) -> Any:
     """The tokenizer, loaded once: it validates ids here and, in text mode, is saved for Zephon."""
     if tokenizer_dir is None and config.tokenizer.path is not None:
@@ -235,6 +262,7 @@ def _load_tokenizer(config: TextLoaderConfig, mode: str, tokenizer_dir: Any) -> 
                          "Set tokenizer.special_tokens to one whose tokens the tokenizer has ('bos', 'eos' or "
                          f"'none'), or add a {name} to the tokenizer folder.")
                 )
+    check_sequence_length(config.sequence_length, tokenizer, path)
     if mode == "chat" and config.tokenizer.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             _err("dataloader.tokenizer.chat_template", None, "a chat template (the tokenizer has none)",
