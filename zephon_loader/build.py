@@ -21,8 +21,9 @@ from zephon_loader.config import ImageLoaderConfig, LoaderConfig, TextLoaderConf
 from zephon_loader.contract import PackingContract, validate_packing_contract
 from zephon_loader.finalize import FinalizeSettings
 from zephon_loader.loader import ImageLoader, ZephonLoader
-from zephon_loader.nodes.source import ZephonSource
+from zephon_loader.nodes.source import PhasePlan, ZephonSource
 from zephon_loader.pipeline.text import DataParallel
+from zephon_loader.schedule import phase_ends, phase_lengths, phase_run_id_suffix, phase_seed, schedule_fingerprint
 from zephon_loader.stages import ImageStage, Stage, TextStage
 from zephon_loader.stats import CountingCollate, LoaderStats
 from zephon_loader.tokenizing import fit_tokenizer_threads
@@ -85,7 +86,15 @@ def build_loader(
                 settings = finalize(attention_eligibility=stage.attention_eligibility)
             work_dir = make_work_dir(stage.work_prefix)  # swept at the next build if this process dies
             owned.append(work_dir)
-            built = stage.build_pipeline(work_dir=work_dir, dp=dp)
+            schedule = cfg.schedule
+            ends = (phase_ends(schedule, lanes=cfg.distributed.canonical_replicas or dp.size,
+                               micro_batch_size=stage.micro_batch_size, sequence_length=cfg.sequence_length)
+                    if schedule is not None else None)
+            built = stage.build_pipeline(work_dir=work_dir, dp=dp,
+                                         weights=schedule[0].weights if schedule is not None else None)
+            if schedule is not None:  # every phase's work source now: a weight no chunk size serves fails here
+                for phase in range(1, len(schedule)):
+                    stage.build_pipeline(work_dir=work_dir, dp=dp, weights=schedule[phase].weights)
     except BaseException:
         _close(owned, stage)
         raise
@@ -95,16 +104,31 @@ def build_loader(
         return stage.build_pipeline(work_dir=work_dir, dp=dp, seed=epoch_seed(cfg.seed, epoch),
                                     run_id_suffix=epoch_run_id_suffix(epoch)).pipeline
 
+    def pipeline_for_phase(phase: int) -> Any:
+        """The Zephon pipeline of a mixture schedule's phase: the same data and lanes, the phase's weights,
+        seed and run id."""
+        assert schedule is not None
+        return stage.build_pipeline(work_dir=work_dir, dp=dp, seed=phase_seed(cfg.seed, phase),
+                                    run_id_suffix=phase_run_id_suffix(phase), weights=schedule[phase].weights).pipeline
+
     assert stage.sources is not None  # opened by the first build_pipeline()
     fingerprint = stream_fingerprint(cfg, stage.sources.fingerprint(), dp, contract, stage.micro_batch_size,
                                      stage.fingerprint(built))
+    if schedule is not None:
+        assert ends is not None
+        fingerprint["mixture"] = "schedule"
+        fingerprint["schedule"] = schedule_fingerprint(schedule, ends)
+        source = ZephonSource(built.pipeline, built.shards,
+                              phases=PhasePlan(pipeline_for_phase, phase_lengths(ends)))
+    else:
+        source = ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch)
     if loader_class is None:
         loader_class = stage.loader_class
     elif not (isinstance(loader_class, type) and issubclass(loader_class, stage.loader_class)):
         raise TypeError(f"loader_class: got {loader_class!r}, expected a subclass of {stage.loader_class.__name__}")
     loader = loader_class(
-        ZephonSource(built.pipeline, built.shards, pipeline_for_epoch=pipeline_for_epoch),
-        CountingCollate(stage.collate(built)),
+        source,
+        CountingCollate(stage.collate(built), phase_of=(lambda: source.phase) if schedule is not None else None),
         settings,
         read_ahead=cfg.read_ahead,
         collate_wrapper=collate_wrapper,
@@ -295,6 +319,8 @@ def stream_fingerprint(
         **specific,
     }
     for key, defaults in (("mixture", ("repeat",)), ("passes", (1,)), ("flush_every_records", (None, 0))):
+        if key == "mixture" and cfg.schedule is not None:
+            continue  # the builder adds the schedule's phases (schedule.schedule_fingerprint)
         if getattr(cfg, key) not in defaults:
             fingerprint[key] = getattr(cfg, key)
     return fingerprint

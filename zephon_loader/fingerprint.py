@@ -55,11 +55,27 @@ def describe_difference(key: str, saved: Any, now: Any) -> str:
             more = f", and {len(changes) - 3} more of {len(after)}" if len(changes) > 3 else ""
             parts.append(f"source {source!r}: {', '.join(changes[:3])}{more}")
         return "shards: " + "; ".join(parts)
+    if key == "schedule" and isinstance(saved, list) and isinstance(now, list):
+        return _schedule_difference(saved, now)
     if key == "flush_window" and saved is None:
         return (f"flush_window: this loader flushes every {now} records per lane (the default window, shortened so "
                 "a resume re-reads less), the state was saved with Zephon's unshortened cadence (the default before "
                 "it); set flush_every_records: 0 to resume it")
     return f"{key}: saved {_cut(saved)}, now {_cut(now)}"
+
+
+def _schedule_difference(saved: list[Any], now: list[Any]) -> str:
+    """The first phase of a mixture schedule that changed, named: the state holds the phases up to the one it was
+    saved in (past ones and the current one); those may not change, later ones may."""
+    current = len(saved) - 1
+    for index, before in enumerate(saved):
+        after = now[index] if index < len(now) else None
+        if before != after:
+            which = "the current phase" if index == current else "a past phase"
+            return (f"mixture.schedule[{index}] ({which}: the state was saved in phase {current}) saved {_cut(before)}, "
+                    f"now {_cut(after) if after is not None else 'absent'}; a phase that has begun cannot change "
+                    f"(only phases after {current} may)")
+    return f"schedule: saved {_cut(saved)}, now {_cut(now)}"
 
 
 def _by_name(shards: Any) -> dict[str, Any] | None:

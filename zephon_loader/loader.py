@@ -265,6 +265,9 @@ class ZephonLoader:
                             ZephonSource.CARRIED_KEY: pending.carried, ZephonSource.CARRY_KEY: pending.carry}
             if pending.epoch:
                 source_state[ZephonSource.EPOCH_KEY] = pending.epoch
+            if pending.phase is not None:
+                source_state[ZephonSource.PHASE_KEY] = pending.phase["index"]
+                source_state[ZephonSource.PHASE_BATCHES_KEY] = pending.phase["batches"]
             self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
         if self._agreement is not None:
             self._agreement.begin_pass(fresh=not resume, epoch=self._source.epoch)
@@ -516,8 +519,14 @@ class ZephonLoader:
                 extra = (STATS_ROUND_KEY, self._stats.round_value([c for c in counts if c]), LoaderStats.merge)
             source_state, stats = self._source.state_at(anchor, skip, extra)
             pass_ended = self._exhausted and lag == 0
+            fingerprint = copy.deepcopy(self.fingerprint)
+            phase = None
+            if ZephonSource.PHASE_KEY in source_state:  # a mixture schedule: its phases up to the current one
+                index = int(source_state[ZephonSource.PHASE_KEY])
+                phase = {"index": index, "batches": source_state.get(ZephonSource.PHASE_BATCHES_KEY, {})}
+                fingerprint["schedule"] = fingerprint["schedule"][:index + 1]
             return LoaderState(
-                fingerprint=copy.deepcopy(self.fingerprint),
+                fingerprint=fingerprint,
                 epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
                 pass_ended=pass_ended,
                 zephon_checkpoint=source_state[ZephonSource.STATE_KEY],
@@ -526,6 +535,7 @@ class ZephonLoader:
                 # An ended pass records what the next one reads first; a pass in progress what it began with.
                 carry=self._source.pending_carry if pass_ended else source_state.get(ZephonSource.CARRY_KEY, []),
                 stats=stats,
+                phase=phase,
             ).to_dict()
 
     def _consumer_lag(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from zephon_loader.collate.image import collate_images
 from zephon_loader.collate.text import TextCollate
@@ -77,8 +77,9 @@ class Stage(Protocol):
         """Let go of what ``prepare`` holds beyond folders (the Ray instance of ``runner: ray``); once, at close."""
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
-                       run_id_suffix: str = "") -> Any:
-        """The kind's built Zephon pipeline (``.pipeline``, ``.shards``, ``.drop_log``)."""
+                       run_id_suffix: str = "", weights: Mapping[str, float] | None = None) -> Any:
+        """The kind's built Zephon pipeline (``.pipeline``, ``.shards``, ``.drop_log``); ``weights``: a mixture
+        schedule phase's weights instead of the sources'."""
 
     def collate(self, built: Any) -> Callable[[Any], dict[str, Any]]:
         """``zephon SampleBatch -> TrainingBatch`` for batches of ``built``."""
@@ -140,8 +141,9 @@ class TextStage:
             self._ray.close_first(close)
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
-                       run_id_suffix: str = "") -> Any:
-        built = build_pipeline(self.cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,
+                       run_id_suffix: str = "", weights: Mapping[str, float] | None = None) -> Any:
+        cfg = self.cfg.with_weights(weights) if weights is not None else self.cfg
+        built = build_pipeline(cfg, work_dir=work_dir, tokenizer_dir=self._tokenizer_dir, dp=dp, seed=seed,
                                run_id_suffix=run_id_suffix, sources=self.sources, prepared=self._prepared)
         self.sources = built.sources  # opened by the first build; every epoch's reads the same files
         self._prepared = built.prepared  # loaded and saved by the first build; every epoch's uses the same
@@ -233,8 +235,9 @@ class ImageStage:
         """Nothing beyond folders."""
 
     def build_pipeline(self, *, work_dir: str, dp: DataParallel, seed: int | None = None,
-                       run_id_suffix: str = "") -> Any:
-        built = build_image_pipeline(self.cfg, processor=self.processor, micro_batch_size=self._rows,
+                       run_id_suffix: str = "", weights: Mapping[str, float] | None = None) -> Any:
+        cfg = self.cfg.with_weights(weights) if weights is not None else self.cfg
+        built = build_image_pipeline(cfg, processor=self.processor, micro_batch_size=self._rows,
                                      work_dir=work_dir, dp=dp, seed=seed, run_id_suffix=run_id_suffix,
                                      sources=self.sources)
         self.sources = built.sources  # opened by the first build; every epoch's reads the same files

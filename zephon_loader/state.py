@@ -18,6 +18,8 @@ pickle-safe (plain dicts, lists, ints, bools, strings)::
                                            # still reads first (ranks ended a pass early); usually []
      "carry": [...],                       # the same, as the pass began (pass_ended: as the next begins)
      "stats": {...} | None,                # LoaderStats.state_dict(), every lane; None without accounting
+     "phase": {"index": k, "batches": {"<lane>": int}},  # a mixture schedule's phase of the checkpoint and
+                                           # each lane's batches in it (absent without a schedule)
      "checksum": "sha256:<64 hex>"}        # over the canonical JSON of every other key (content_checksum)
 
 The state holds no batch and nothing tied to a rank: it is the same on every
@@ -110,11 +112,13 @@ class LoaderState:
     carried: list[dict[str, Any]]
     carry: list[dict[str, Any]]
     stats: dict[str, Any] | None
+    phase: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The state as a plain dict, one key per field in field order, then ``checksum``; the values are this
-        state's own (not copied)."""
-        state = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        """The state as a plain dict, one key per field in field order (``phase`` only with a schedule), then
+        ``checksum``; the values are this state's own (not copied)."""
+        state = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                 if not (field.name == "phase" and self.phase is None)}
         state["checksum"] = content_checksum(state)
         return state
 
@@ -181,6 +185,7 @@ class LoaderState:
                    "this state was not saved by this version of ZephonLoader.state_dict()")
             )
         saved = state.get("fingerprint")
+        fingerprint = schedule_as_of(fingerprint, saved)
         if saved != fingerprint:
             saved = saved if isinstance(saved, Mapping) else {}
             differing = sorted(key for key in set(saved) | set(fingerprint) if saved.get(key) != fingerprint.get(key))
@@ -251,6 +256,7 @@ class LoaderState:
             carried=chains["carried"],
             carry=chains["carry"],
             stats=_checked_stats(state.get("stats"), stats),
+            phase=_checked_phase(state.get("phase"), canonical_replicas),
         )
 
 
@@ -258,8 +264,32 @@ _TAMPERED = ("the state was not made by ZephonLoader.state_dict() (edited, and i
              "from an intact copy of the saved state")
 
 
-#: Keys a state may lack, with the value that stands for them (documented: states of format 4 saved before epochs).
-_OPTIONAL = {"epoch": 0, "pass_ended": False}
+#: Keys a state may lack, with the value that stands for them (documented: states of format 4 saved before epochs;
+#: ``phase``: a loader without a mixture schedule).
+_OPTIONAL = {"epoch": 0, "pass_ended": False, "phase": None}
+
+
+def schedule_as_of(fingerprint: Mapping[str, Any], saved: Any) -> Mapping[str, Any]:
+    """The loader's ``fingerprint`` as a state saved in phase ``k`` of a mixture schedule compares it: its
+    ``schedule`` cut to the phases the state holds (the past and the current one, ``k + 1``). Phases that had not
+    begun when the state was saved may change; the others are compared."""
+    if not (isinstance(saved, Mapping) and isinstance(saved.get("schedule"), list)
+            and isinstance(fingerprint.get("schedule"), list)):
+        return fingerprint
+    return {**fingerprint, "schedule": fingerprint["schedule"][:len(saved["schedule"])]}
+
+
+def _checked_phase(value: Any, lanes: int) -> dict[str, Any] | None:
+    """A state's ``phase``: ``None`` or ``{"index": int >= 0, "batches": {"<lane>": int >= 0}}``."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != {"index", "batches"}:
+        raise ValueError(f"state_dict.phase: got {value!r}, expected {{'index': int, 'batches': {{'<lane>': int}}}} "
+                         f"(a mixture schedule's phase); {_TAMPERED}")
+    index = value["index"]
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"state_dict.phase.index: got {index!r}, expected an int >= 0; {_TAMPERED}")
+    return {"index": index, "batches": checked_skip(value["batches"], "state_dict.phase.batches", lanes)}
 
 
 def _check_keys(state: Mapping[str, Any]) -> None:

@@ -71,8 +71,11 @@ class CountingCollate:
     ``label_only``: the batch's packed tokens that are no input token (the last token of each full row).
     """
 
-    def __init__(self, collate_fn: Any) -> None:
+    def __init__(self, collate_fn: Any, phase_of: Any = None) -> None:
         self.collate_fn = collate_fn
+        #: With a mixture schedule: the source's current phase, read when a batch is collated (right after the
+        #: source returned it, before it can switch): a fourth element of ``SOURCE_COUNTS``.
+        self.phase_of = phase_of
 
     def __call__(self, sample_batch: Any) -> dict[str, Any]:
         out = self.collate_fn(sample_batch)
@@ -81,6 +84,8 @@ class CountingCollate:
         padding = out.get(F.PADDING_MASK)
         label_only = packed - int(padding.numel() - int(padding.sum())) if padding is not None else 0
         out[F.SOURCE_COUNTS] = [lane_of(sample_batch), counts, max(0, label_only)]
+        if self.phase_of is not None:
+            out[F.SOURCE_COUNTS].append(int(self.phase_of()))
         return out
 
 
@@ -132,16 +137,20 @@ class LoaderStats:
 
         ``carried``: it was left over from an earlier epoch's pass (the ranks ended that pass early).
         """
-        lane, counts, label_only = lane_counts
+        lane, counts, label_only, *phase = lane_counts
         entry = self._lane(lane)
         entry["batches"] += 1
         entry["carried"] += int(carried)
         entry["label_only"] += int(label_only)
-        delivered = entry["delivered"]
+        self._add(entry["delivered"], counts, 1)
+        if phase:  # a mixture schedule's phase: counted per phase too
+            self._add(entry.setdefault("phases", {}).setdefault(str(phase[0]), {}), counts, 1)
+
+    def _add(self, delivered: dict[str, list[int]], counts: Sequence[Sequence[int]], sign: int) -> None:
         for cid, documents, tokens in counts:
             pair = delivered.setdefault(self._name(cid), [0, 0])
-            pair[0] += int(documents)
-            pair[1] += int(tokens)
+            pair[0] += sign * int(documents)
+            pair[1] += sign * int(tokens)
 
     def _name(self, cid: int) -> str:
         return self.source_names[cid] if 0 <= cid < len(self.source_names) else f"component {cid}"
@@ -168,14 +177,13 @@ class LoaderStats:
         """
         self._merge_log()
         lanes = copy.deepcopy(self._lanes)
-        for lane, counts, label_only in undelivered:
+        for lane, counts, label_only, *phase in undelivered:
             entry = lanes[int(lane)]
             entry["batches"] -= 1
             entry["label_only"] -= int(label_only)
-            for cid, documents, tokens in counts:
-                pair = entry["delivered"][self._name(cid)]
-                pair[0] -= int(documents)
-                pair[1] -= int(tokens)
+            self._add(entry["delivered"], counts, -1)
+            if phase:
+                self._add(entry["phases"][str(phase[0])], counts, -1)
         return {
             "lanes": {str(lane): entry for lane, entry in sorted(lanes.items())},
             "drops": [copy.deepcopy(event) for event in self._drops.values()],
@@ -216,6 +224,10 @@ class LoaderStats:
                 delivered = {str(k): [int(v[0]), int(v[1])] for k, v in entry["delivered"].items()}
                 lanes[int(lane)] = {"batches": int(entry["batches"]), "carried": int(entry.get("carried", 0)),
                                     "label_only": int(entry.get("label_only", 0)), "delivered": delivered}
+                if "phases" in entry:  # a mixture schedule's per-phase counts
+                    lanes[int(lane)]["phases"] = {
+                        str(phase): {str(k): [int(v[0]), int(v[1])] for k, v in by_source.items()}
+                        for phase, by_source in entry["phases"].items()}
             drops = {_event_key(event): dict(event) for event in state["drops"]}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
@@ -230,7 +242,9 @@ class LoaderStats:
 
         ``{"batches": int, "carried_batches": int, "label_only_tokens": int, "sources": {name: {"delivered":
         {"documents", "tokens"}, "dropped": {reason: {"documents", "tokens"}}}}, "dropped": {reason:
-        {"documents", "tokens", "first": "<source, shard, line>"}}, "reasons": {reason: meaning}}``.
+        {"documents", "tokens", "first": "<source, shard, line>"}}, "reasons": {reason: meaning}}``; with a
+        mixture schedule also ``"phases": {"<phase>": {source: {"documents", "tokens"}}}``: what each phase
+        delivered (the phases this rank's lanes reached).
         ``tokens`` of a record dropped before tokenization is 0 (unknown). ``label_only_tokens``: delivered
         tokens that reached the model only as a label (see the module docstring): the input tokens
         delivered are the sources' delivered ``tokens`` minus these.
@@ -261,7 +275,16 @@ class LoaderStats:
             total = dropped.setdefault(reason, {"documents": 0, "tokens": 0, "first": event.get("where")})
             total["documents"] += 1
             total["tokens"] += tokens
-        return {
+        phases: dict[str, dict[str, Any]] = {}
+        for lane, entry in self._lanes.items():
+            if self._owns(lane):
+                for phase, by_source in entry.get("phases", {}).items():
+                    per_phase = phases.setdefault(phase, {})
+                    for name, (docs, toks) in by_source.items():
+                        counted = per_phase.setdefault(name, {"documents": 0, "tokens": 0})
+                        counted["documents"] += docs
+                        counted["tokens"] += toks
+        report = {
             "batches": self.batches,
             "carried_batches": sum(entry.get("carried", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
             "label_only_tokens": sum(entry["label_only"] for lane, entry in self._lanes.items()
@@ -270,6 +293,10 @@ class LoaderStats:
             "dropped": dropped,
             "reasons": dict(self.reasons),
         }
+        if phases:  # a mixture schedule: {"<phase>": {source: {"documents", "tokens"}}}, phases in order
+            report["phases"] = {phase: {name: phases[phase][name] for name in sorted(phases[phase])}
+                                for phase in sorted(phases, key=int)}
+        return report
 
 
 def _event_lane(event: Mapping[str, Any]) -> int:

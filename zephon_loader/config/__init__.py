@@ -23,6 +23,8 @@ from zephon_loader.config.schema import (
     ContractConfig,
     DistributedConfig,
     LoaderConfig,
+    MixturePhase,
+    MixtureSchedule,
     PackingOptions,
     RunnerOptions,
     RuntimeConfig,
@@ -37,7 +39,8 @@ from zephon_loader.config.schema import (
 
 __all__ = [
     "LOADER_SECTION", "PACKAGE_DATA_PREFIX", "PACKING_ALGORITHMS", "ContractConfig", "DistributedConfig",
-    "ImageLoaderConfig", "ImagePackingOptions", "ImageRuntimeConfig", "LoaderConfig", "PackingOptions",
+    "ImageLoaderConfig", "ImagePackingOptions", "ImageRuntimeConfig", "LoaderConfig", "MixturePhase",
+    "MixtureSchedule", "PackingOptions",
     "ProcessorConfig", "ProcessorTarget", "RecordsConfig", "RunnerOptions", "RuntimeConfig", "SourceConfig",
     "TextLoaderConfig", "TokenizerConfig", "default_config_path", "default_image_config_path", "from_mapping",
     "instantiate", "load_yaml", "package_data_dir", "read_loader_config", "resolve_target", "text_loader_config",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import sys
 import types
 import typing
@@ -39,11 +40,18 @@ def _type_name(expected: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(expected))
     if origin is tuple:
         return f"a list of {_type_name(typing.get_args(expected)[0])}"
+    if origin is dict:
+        key, item = typing.get_args(expected)
+        return f"a mapping of {_type_name(key)} to {_type_name(item)}"
     if dataclasses.is_dataclass(expected):
         return f"a mapping ({expected.__name__})"
     return {type(None): "null", int: "an int", float: "a number", bool: "a bool", str: "a string"}.get(
         expected, str(expected)
     )
+
+
+#: A number in exponent form without a dot (``2e9``), which PyYAML's YAML 1.1 resolver leaves a string.
+_EXPONENT_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)[eE][+-]?\d+$")
 
 
 def _convert(value: Any, expected: Any, path: str) -> Any:
@@ -52,6 +60,9 @@ def _convert(value: Any, expected: Any, path: str) -> Any:
         options = typing.get_args(expected)
         if value is None and type(None) in options:
             return None
+        records = [option for option in options if dataclasses.is_dataclass(option)]
+        if isinstance(value, Mapping) and len(records) == 1:  # a mapping can only mean the one record type
+            return _convert(value, records[0], path)
         errors = []
         for option in options:
             if option is type(None):
@@ -67,6 +78,11 @@ def _convert(value: Any, expected: Any, path: str) -> Any:
         if value not in typing.get_args(expected):
             raise ValueError(f"{path}: got {value!r}, expected {_type_name(expected)}")
         return value
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{path}: got {type(value).__name__}, expected {_type_name(expected)}")
+        key, item = typing.get_args(expected)
+        return {_convert(k, key, f"{path}") : _convert(v, item, f"{path}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"{path}: got {type(value).__name__}, expected {_type_name(expected)}")
@@ -85,6 +101,8 @@ def _convert(value: Any, expected: Any, path: str) -> Any:
             raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected an int")
         return value
     if expected is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.match(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 2e9 as a string; YAML 1.2 as a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{path}: got {type(value).__name__} {value!r}, expected a number")
         return float(value)

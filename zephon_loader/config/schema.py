@@ -90,6 +90,42 @@ class SourceConfig:
 
 
 @dataclass(frozen=True)
+class MixturePhase:
+    """One phase of a mixture schedule: the weights it reads with and where it ends.
+
+    Attributes:
+        weights: Weight of every source by name (each a finite number > 0): they replace ``sources[i].weight``
+            while the phase lasts.
+        until_steps: The phase ends after this many steps from the start of the stream: batches of each Zephon
+            lane, which is the trainer's step when each rank reads one lane (``canonical_replicas`` unset or
+            equal to the DP size); with ``canonical_replicas: L`` at DP size ``d`` a rank reads ``L / d`` lanes,
+            so ``until_steps * L / d`` batches.
+        until_tokens: The phase ends at the first step whose token slots from the start of the stream reach this
+            many: ``lanes * micro_batch_size * sequence_length`` per step (padding included, every lane), so at
+            step ``ceil(until_tokens / (lanes * B * S))``: exact and the same on every rank and DP size.
+
+    Every phase but the last sets one of ``until_steps``/``until_tokens`` (all phases the same one, increasing);
+    the last sets neither and lasts to the end of the stream.
+    """
+
+    weights: dict[str, float]
+    until_steps: int | None = None
+    until_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class MixtureSchedule:
+    """``mixture: {schedule: [...]}``: weights that change at steps or token counts (README, "Mixture schedules").
+
+    Attributes:
+        schedule: The phases in order (see :class:`MixturePhase`). Each phase is its own Zephon stream with its
+            own weights, switched exactly at the boundary on every lane; the stream is endless (``passes: null``).
+    """
+
+    schedule: tuple[MixturePhase, ...]
+
+
+@dataclass(frozen=True)
 class TokenizerConfig:
     """How records become tokens: exactly one of ``path``, ``pretokenized_field``, ``chat_field``
     (``path`` is also required with ``chat_field``, for the chat template).
@@ -341,7 +377,10 @@ class LoaderConfig:
             lighter sources repeat until the slowest is read once). ``once``:
             every record of every source exactly once; the weights hold until a
             source runs out, then the others share its share (evaluation, or one
-            exact epoch).
+            exact epoch). ``{schedule: [{until_steps: N, weights: {...}}, ...,
+            {weights: {...}}]}`` (or ``until_tokens``): weights that change at
+            exact boundaries of an endless stream (``passes: null``); see
+            :class:`MixturePhase`.
         passes: Passes over the sources in one stream, each reshuffled by
             Zephon (``mixture: repeat`` only); an epoch of the loader is this
             stream (with several ranks in a process group: the same number of
@@ -376,7 +415,7 @@ class LoaderConfig:
     mask_cross_document_labels: bool | None = None
     seed: int = 0
     shuffle: bool = True
-    mixture: Literal["repeat", "once"] = "repeat"
+    mixture: Literal["repeat", "once"] | MixtureSchedule = "repeat"
     passes: int | None = 1
     chunk_size: int | None = None
     flush_every_records: int | None = None
@@ -460,6 +499,7 @@ class LoaderConfig:
         self._check_batch_size()
         if self.passes is not None and self.passes <= 0:
             raise ValueError(f"dataloader.passes: got {self.passes}, expected an int > 0 or null (endless)")
+        self._check_schedule()
         if self.mixture == "once" and self.passes != 1:
             raise ValueError(f"dataloader.passes: got {self.passes} with mixture: once, expected 1 (once reads every "
                              "record exactly once; use mixture: repeat for several or endless passes)")
@@ -470,6 +510,59 @@ class LoaderConfig:
         if self.flush_every_records is not None and self.flush_every_records < 0:
             raise ValueError(f"dataloader.flush_every_records: got {self.flush_every_records}, expected an int > 0, "
                              "0 (Zephon's cadence, never shortened) or null (the default)")
+
+    def _check_schedule(self) -> None:
+        """A mixture schedule: phases naming every source, one kind of boundary, increasing, the last open."""
+        schedule = self.schedule
+        if schedule is None:
+            return
+        where = "dataloader.mixture.schedule"
+        if not schedule:
+            raise ValueError(f"{where}: got an empty list, expected at least one phase ({{weights: {{...}}}})")
+        if self.passes is not None:
+            raise ValueError(f"dataloader.passes: got {self.passes} with a mixture schedule, expected null (a "
+                             "schedule's phases end at steps or tokens of one endless stream; train by steps)")
+        names = [source.name for source in self.sources]
+        kinds = set()
+        previous = 0.0
+        for index, phase in enumerate(schedule):
+            at = f"{where}[{index}]"
+            if set(phase.weights) != set(names):
+                missing, unknown = sorted(set(names) - set(phase.weights)), sorted(set(phase.weights) - set(names))
+                raise ValueError(f"{at}.weights: got {sorted(phase.weights)}, expected a weight for every source "
+                                 f"{names}" + (f" (missing {missing})" if missing else "")
+                                 + (f" (unknown {unknown})" if unknown else ""))
+            for name, weight in phase.weights.items():
+                if not (math.isfinite(weight) and weight > 0):
+                    raise ValueError(f"{at}.weights.{name}: got {weight}, expected a finite number > 0")
+            ends = {key: value for key in ("until_steps", "until_tokens")
+                    if (value := getattr(phase, key)) is not None}
+            last = index == len(schedule) - 1
+            if last and ends:
+                raise ValueError(f"{at}: got {', '.join(ends)} on the last phase, expected none (the last phase "
+                                 "lasts to the end of the stream)")
+            if not last and len(ends) != 1:
+                raise ValueError(f"{at}: got {sorted(ends) or 'no end'}, expected exactly one of until_steps or "
+                                 "until_tokens (every phase but the last ends somewhere)")
+            for key, value in ends.items():
+                kinds.add(key)
+                if len(kinds) > 1:
+                    raise ValueError(f"{at}.{key}: got {key} after phases ending by {sorted(kinds - {key})[0]}, "
+                                     "expected every phase to end by the same one (steps or tokens)")
+                if not (math.isfinite(value) and value > previous):
+                    raise ValueError(f"{at}.{key}: got {value:g}, expected a number > {previous:g} (the phases' "
+                                     "ends count from the start of the stream and increase)")
+                previous = float(value)
+
+    @property
+    def schedule(self) -> tuple[MixturePhase, ...] | None:
+        """The mixture schedule's phases, or ``None`` when ``mixture`` is ``repeat``/``once``."""
+        return self.mixture.schedule if isinstance(self.mixture, MixtureSchedule) else None
+
+    def with_weights(self, weights: Mapping[str, float]) -> "LoaderConfig":
+        """This config with each source's weight from ``weights`` and no schedule: one phase's stream."""
+        sources = tuple(dataclasses.replace(source, weight=float(weights[source.name])) for source in self.sources)
+        return dataclasses.replace(self, sources=sources, mixture="repeat")
 
     def _check_batch_size(self) -> None:
         """Refuse a batch no machine holds (``10**9`` tokens failed only at the first batch, in the allocator).

@@ -319,8 +319,8 @@ class ReadAhead(BaseNode):
         shard (a state cut after deliveries needs one for its round).
         """
         if self._anchor is not None and self._anchor_pulls < self.ANCHOR_MAX_PULLS and (
-                time.monotonic() < self._anchor_due):
-            return
+                time.monotonic() < self._anchor_due) and not getattr(self.source, "anchor_due", False):
+            return  # (a source's anchor_due: the next batch begins a mixture schedule's phase, anchored in it)
         started = time.perf_counter()
         self._anchor = self._position()
         cost = time.perf_counter() - started

@@ -40,7 +40,7 @@ from zephon_loader.zephon_compat import (
     worker_crash_info,
 )
 
-__all__ = ["Position", "ZephonSource", "lane_of"]
+__all__ = ["PhasePlan", "Position", "ZephonSource", "lane_of"]
 
 
 # ----------------------------------------------------------------------------- torchdata node
@@ -99,10 +99,11 @@ def lane_of(batch: Any) -> int:
 class _Stream:
     """One epoch's pipeline as this rank reads it: its iterator and the batches it still drops after a restore."""
 
-    def __init__(self, epoch: int, pipeline: Any, shards: Any) -> None:
+    def __init__(self, epoch: int, pipeline: Any, shards: Any, phase: int = 0) -> None:
         from zephon_loader.nodes.workers import contain_workers
 
         self.epoch = epoch
+        self.phase = phase  # the mixture schedule's phase whose pipeline this is (0 without a schedule)
         self.pipeline = pipeline
         self.shards = shards
         #: The pipeline's ``mp_context``: registry of its worker processes, bounds their shutdown.
@@ -211,11 +212,15 @@ class Position:
         carry: The carry the epoch began with (what a restart of the pass reads first).
     """
 
-    __slots__ = ("streams", "carry")
+    __slots__ = ("streams", "carry", "phase", "phase_batches")
 
-    def __init__(self, streams: list[tuple[_Stream, dict[str, Any], dict[int, int]]], carry: list[dict[str, Any]]):
+    def __init__(self, streams: list[tuple[_Stream, dict[str, Any], dict[int, int]]], carry: list[dict[str, Any]],
+                 phase: int = 0, phase_batches: dict[int, int] | None = None):
         self.streams = streams
         self.carry = carry
+        #: The schedule's phase and, per lane this rank owns, the batches delivered in it (none without a schedule).
+        self.phase = phase
+        self.phase_batches = dict(phase_batches or {})
 
 
 _FROM_STATE_DICT = "Pass the state saved by state_dict()."
@@ -258,6 +263,25 @@ def checked_link(link: Any, where: str) -> dict[str, Any]:
     return {ZephonSource.EPOCH_KEY: checked_epoch(link[ZephonSource.EPOCH_KEY], f"{where}.epoch"),
             ZephonSource.STATE_KEY: checkpoint,
             ZephonSource.SKIP_KEY: checked_skip(link[ZephonSource.SKIP_KEY], f"{where}.skip")}
+
+
+class PhasePlan:
+    """A mixture schedule as the source reads it: each phase its own pipeline, ending after a batch count per lane.
+
+    Args:
+        pipeline_for_phase: Phase index -> its ``zephon.Pipeline`` (the same data and lanes, the phase's weights
+            and seed, its own aggregation run id); phase 0's is the one the source is built with.
+        lengths: Batches of each lane per phase, in order; ``None`` for the last (it never ends).
+    """
+
+    def __init__(self, pipeline_for_phase: Callable[[int], Any], lengths: list[int | None]) -> None:
+        if not lengths or lengths[-1] is not None or any(n is None or n <= 0 for n in lengths[:-1]):
+            raise ValueError(f"phases: got lengths {lengths!r}, expected ints > 0 then None (the last phase)")
+        self.pipeline_for_phase = pipeline_for_phase
+        self.lengths = list(lengths)
+
+    def length(self, phase: int) -> int | None:
+        return self.lengths[phase] if phase < len(self.lengths) else None
 
 
 class ZephonSource(BaseNode):
@@ -325,9 +349,13 @@ class ZephonSource(BaseNode):
     CARRY_KEY = "carry"
     #: The key this node's part of a state round travels under.
     ROUND_KEY = "zephon_loader.source"
+    #: The mixture schedule's phase of the current pipeline (absent: 0, or no schedule).
+    PHASE_KEY = "phase"
+    #: ``{"<lane>": batches of that lane delivered in the current phase}`` (every lane; absent: no schedule).
+    PHASE_BATCHES_KEY = "phase_batches"
 
     def __init__(self, pipeline: Any, shards: Any = None, *,
-                 pipeline_for_epoch: Callable[[int], Any] | None = None) -> None:
+                 pipeline_for_epoch: Callable[[int], Any] | None = None, phases: PhasePlan | None = None) -> None:
         super().__init__()
         import zephon
 
@@ -346,6 +374,73 @@ class ZephonSource(BaseNode):
         self._carry: list[dict[str, Any]] = []  # what the current epoch began with (a restart reads it again)
         self._pending_carry: list[dict[str, Any]] | None = None  # carry_over(): for the next reset(None)
         self._owned = _owned_lanes(pipeline)
+        if phases is not None and pipeline_for_epoch is not None:
+            raise ValueError("phases: a mixture schedule reads one endless stream; expected no pipeline_for_epoch")
+        self._phases = phases
+        self._phase0 = pipeline if phases is not None else None  # phase 0's pipeline, reused by a restart
+        self._wanted_phase = 0  # the phase _build_chain starts
+        self._phase_batches: dict[int, int] = {}  # lane -> batches delivered in the current phase (owned lanes)
+        self._retired: _Stream | None = None  # the previous phase's stream: a state may still be cut in it
+        self._merged_phase_batches: dict[str, int] = {}  # of the last state round
+
+    # -- mixture schedule ---------------------------------------------------------------
+
+    @property
+    def phase(self) -> int:
+        """The mixture schedule's phase being read (0 without a schedule)."""
+        return self._streams[-1].phase
+
+    @property
+    def phase_batches(self) -> dict[int, int]:
+        """Lane -> batches delivered in the current phase, for the lanes this rank owns ({} without a schedule)."""
+        return dict(self._phase_batches)
+
+    def _phase_done(self) -> bool:
+        """Every lane this rank owns delivered the current phase's batches (the next batch is the next phase's)."""
+        if self._phases is None:
+            return False
+        length = self._phases.length(self.phase)
+        return length is not None and all(self._phase_batches.get(lane, 0) >= length for lane in self._owned)
+
+    @property
+    def anchor_due(self) -> bool:
+        """A read-ahead takes a new position before the next pull: the next batch begins a phase (its anchor must
+        be in that phase's pipeline)."""
+        return self._phase_done()
+
+    def _next_phase(self) -> None:
+        """Switch to the next phase's pipeline, from its start. The old one stops (its workers go) but is kept
+        for a state cut before batches a read-ahead already pulled past the boundary."""
+        old = self._streams[-1]
+        old.stop()
+        if self._retired is not None:
+            self._retired.workers.kill()
+        self._retired = old
+        phase = old.phase + 1
+        stream = _Stream(old.epoch, self._phases.pipeline_for_phase(phase), self._shards, phase)  # type: ignore[union-attr]
+        stream.start(None, {})
+        self._streams, self._reading, self._phase_batches = [stream], 0, {}
+
+    def _check_phase_steps(self, phase: int, batches: Mapping[int, int]) -> None:
+        """Refuse a resume whose ranks would reach the phase's end at different steps (a state cut at one lane
+        count and loaded where one rank reads lanes that stand at different counts): their state rounds would
+        then meet in different phases' pipelines."""
+        assert self._phases is not None
+        length = self._phases.length(phase)
+        if length is None:
+            return
+        from zephon_loader.nodes.lanes import lane_mapping
+        from zephon_loader.zephon_compat import runtime_options
+
+        left = {group: sum(length - batches.get(lane, 0) for lane in lanes)
+                for group, lanes in lane_mapping(runtime_options(self.pipeline)).items()}
+        if len(set(left.values())) > 1:
+            raise ValueError(
+                f"initial_state.{self.PHASE_BATCHES_KEY}: the lanes stand at {dict(sorted(batches.items()))} batches of "
+                f"phase {phase} (of {length}), so these ranks would reach its end after {left} more batches: at "
+                "different steps. Resume at the data-parallel size the state was saved at, or a smaller one (each "
+                "rank reading more lanes), or from a state saved at a step where every lane stood at the same count")
+
 
     @property
     def pipeline(self) -> Any:
@@ -377,10 +472,15 @@ class ZephonSource(BaseNode):
 
     def _stream_for(self, epoch: int, held: list[_Stream]) -> _Stream:
         """The stream of ``epoch``: one held already (its pipeline reused), else a new pipeline."""
+        phase = self._wanted_phase
         for stream in held:
-            if stream.epoch == epoch:
+            if stream.epoch == epoch and stream.phase == phase:
                 held.remove(stream)
                 return stream
+        if self._phases is not None:
+            if phase == 0 and self._phase0 is not None:
+                return _Stream(epoch, self._phase0, self._shards, 0)
+            return _Stream(epoch, self._phases.pipeline_for_phase(phase), self._shards, phase)
         if epoch and self._pipeline_for_epoch is None:
             raise ValueError(_err("initial_state.epoch", epoch, "0 (this source has one pipeline)",
                                   "Load the state into a loader built by the same builder."))
@@ -390,6 +490,9 @@ class ZephonSource(BaseNode):
     def _build_chain(self, links: list[tuple[int, Mapping[str, Any] | None, Mapping[str, int]]]) -> None:
         """Stop everything, then start one stream per ``(epoch, checkpoint, skip)`` in order."""
         held = list(self._streams)
+        if self._retired is not None:  # the previous phase's (stopped): reusable for its phase
+            held.append(self._retired)
+            self._retired = None
         for stream in held:
             stream.stop()
         chain = [self._stream_for(epoch, held) for epoch, _, _ in links]
@@ -413,6 +516,7 @@ class ZephonSource(BaseNode):
             self._carry = [link for link in self._carry if link[self.EPOCH_KEY] != self._next_epoch]
             links = [(link[self.EPOCH_KEY], link[self.STATE_KEY], link.get(self.SKIP_KEY) or {})
                      for link in self._carry]
+            self._wanted_phase, self._phase_batches = 0, {}
             self._build_chain(links + [(self._next_epoch, None, {})])
             return
         if not isinstance(initial_state, Mapping):
@@ -428,6 +532,11 @@ class ZephonSource(BaseNode):
                        for i, link in enumerate(initial_state.get(self.CARRY_KEY) or [])]
         self._pending_carry = None
         self._next_epoch = epoch
+        phase, batches = self._phase_of(initial_state)
+        if self._phases is not None:
+            self._check_phase_steps(phase, batches)
+        self._wanted_phase = phase
+        self._phase_batches = {lane: n for lane, n in batches.items() if lane in self._owned}
         links = [(link[self.EPOCH_KEY], link[self.STATE_KEY], link[self.SKIP_KEY]) for link in carried]
         self._build_chain(links + [(epoch, checkpoint, self._skip_of(initial_state))])
 
@@ -438,6 +547,20 @@ class ZephonSource(BaseNode):
     def next(self) -> Any:
         if self._closed:
             raise RuntimeError("ZephonSource.next: the source is closed.")
+        if self._phases is None:
+            return self._next_of_chain()
+        while True:
+            if self._phase_done():
+                self._next_phase()
+            batch = self._next_of_chain()
+            lane = lane_of(batch)
+            length = self._phases.length(self.phase)
+            if length is not None and self._phase_batches.get(lane, 0) >= length:
+                continue  # this lane ended the phase; another of this rank's lanes has not yet (dropped)
+            self._phase_batches[lane] = self._phase_batches.get(lane, 0) + 1
+            return batch
+
+    def _next_of_chain(self) -> Any:
         while self._reading < len(self._streams):
             try:
                 return self._streams[self._reading].next()
@@ -466,8 +589,10 @@ class ZephonSource(BaseNode):
         shard per pipeline of the chain (a few ms for 8 lanes), and builds
         Zephon's engine of a pipeline nothing was pulled from yet.
         """
+        if self._phase_done():  # the next batch is the next phase's: the position is at its start
+            self._next_phase()
         return Position([(stream, stream.local(), dict(stream.skip)) for stream in self._streams],
-                        copy.deepcopy(self._carry))
+                        copy.deepcopy(self._carry), self.phase, self._phase_batches)
 
     def state_at(self, position: Position, skip: Mapping[tuple[int, int], int] | None = None,
                  extra: tuple[str, Any, Callable[[list[Any]], Any]] | None = None) -> tuple[dict[str, Any], Any]:
@@ -494,6 +619,9 @@ class ZephonSource(BaseNode):
             state[self.CARRIED_KEY] = carried
         if position.carry:
             state[self.CARRY_KEY] = position.carry
+        if self._phases is not None:
+            state[self.PHASE_KEY] = position.phase
+            state[self.PHASE_BATCHES_KEY] = self._merged_phase_batches
         return state, merged_extra
 
     def carry_over(self, position: Position, skip: Mapping[tuple[int, int], int], drop: set[int]) -> list[dict]:
@@ -537,6 +665,15 @@ class ZephonSource(BaseNode):
             with_extra = extra if index == last else None
             value = {"skip": {str(lane): n for lane, n in sorted(mine.items()) if n},
                      "extra": with_extra[1] if with_extra is not None else None}
+            if index == last and self._phases is not None:
+                # Batches of each lane in the phase at this instant: at the position, plus those after it (the
+                # read-ahead anchors anew at a phase's start, so they are all of the position's phase).
+                counted = dict(position.phase_batches)
+                for (epoch, lane), count in (skip or {}).items():
+                    if epoch == stream.epoch:
+                        counted[int(lane)] = counted.get(int(lane), 0) + int(count)
+                value["phase_batches"] = {str(lane): n for lane, n in sorted(counted.items())
+                                          if int(lane) in self._owned}
 
             def merge(values: list[Any], with_extra: Any = with_extra) -> dict[str, Any]:
                 present = [v for v in values if v]
@@ -544,13 +681,19 @@ class ZephonSource(BaseNode):
                 for v in present:  # each lane is one DP group's; its model-parallel peers agree
                     for lane, n in v["skip"].items():
                         merged_skip.setdefault(lane, n)
-                return {"skip": merged_skip,
+                merged_phase: dict[str, int] = {}
+                for v in present:
+                    for lane, n in (v.get("phase_batches") or {}).items():
+                        merged_phase.setdefault(lane, n)
+                return {"skip": merged_skip, "phase_batches": merged_phase,
                         "extra": with_extra[2]([v["extra"] for v in present]) if with_extra is not None else None}
 
             with explained_window_warnings(taken=not quiet):
                 checkpoint, merged = checkpoint_at(stream.pipeline, local, extra=(self.ROUND_KEY, value, merge))
             if index == last:
                 merged_extra = merged["extra"]
+                self._merged_phase_batches = {lane: int(n) for lane, n in sorted(
+                    (merged.get("phase_batches") or {}).items(), key=lambda item: int(item[0]))}
             links.append({self.EPOCH_KEY: stream.epoch, self.STATE_KEY: checkpoint,
                           self.SKIP_KEY: {lane: int(n) for lane, n in sorted(merged["skip"].items(),
                                                                                key=lambda item: int(item[0]))}})
@@ -560,10 +703,30 @@ class ZephonSource(BaseNode):
     def is_state(cls, state: Any) -> bool:
         """Whether ``state`` looks like :meth:`get_state` output (a tagged Zephon checkpoint)."""
         return (isinstance(state, Mapping) and cls.STATE_KEY in state
-                and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY, cls.SKIP_KEY, cls.CARRIED_KEY, cls.CARRY_KEY})
+                and set(state) <= {cls.STATE_KEY, cls.EPOCH_KEY, cls.SKIP_KEY, cls.CARRIED_KEY, cls.CARRY_KEY,
+                                   cls.PHASE_KEY, cls.PHASE_BATCHES_KEY})
 
     def _epoch_of(self, state: Mapping[str, Any], where: str = "initial_state") -> int:
         return checked_epoch(state.get(self.EPOCH_KEY, 0), f"{where}.{self.EPOCH_KEY}")
+
+    def _phase_of(self, state: Mapping[str, Any], where: str = "initial_state") -> tuple[int, dict[int, int]]:
+        """``(phase, {lane: batches in it})`` of a state: ``(0, {})`` without a schedule's keys.
+
+        Raises:
+            ValueError: A malformed phase, or a phase the schedule does not have.
+        """
+        phase = state.get(self.PHASE_KEY, 0)
+        if isinstance(phase, bool) or not isinstance(phase, int) or phase < 0:
+            raise ValueError(_err(f"{where}.{self.PHASE_KEY}", phase, "an int >= 0 (the schedule's phase the state "
+                                  "was saved in)", _FROM_STATE_DICT))
+        batches = checked_skip(state.get(self.PHASE_BATCHES_KEY) or {}, f"{where}.{self.PHASE_BATCHES_KEY}")
+        if (phase or batches) and self._phases is None:
+            raise ValueError(_err(f"{where}.{self.PHASE_KEY}", phase, "no phase (this loader has no mixture schedule)",
+                                  "Load the state into a loader built with the schedule it was saved with."))
+        if self._phases is not None and phase >= len(self._phases.lengths):
+            raise ValueError(_err(f"{where}.{self.PHASE_KEY}", phase,
+                                  f"a phase of this schedule (0 to {len(self._phases.lengths) - 1})", _FROM_STATE_DICT))
+        return phase, {int(lane): n for lane, n in batches.items()}
 
     def _skip_of(self, state: Mapping[str, Any], where: str = "initial_state") -> dict[str, int]:
         return checked_skip(state.get(self.SKIP_KEY) or {}, f"{where}.{self.SKIP_KEY}")
@@ -613,12 +776,13 @@ class ZephonSource(BaseNode):
 
     def close(self) -> None:
         """Stop Zephon's worker threads/processes; none is left when it returns. Safe to call more than once."""
+        streams = self._streams + ([self._retired] if self._retired is not None else [])
         try:
-            for stream in self._streams:
+            for stream in streams:
                 stream.stop()
         finally:
             self._closed = True
-            for stream in self._streams:
+            for stream in streams:
                 stream.workers.kill()  # also after a cancel() whose iteration ended by itself
 
     def __enter__(self) -> "ZephonSource":
