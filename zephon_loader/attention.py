@@ -470,6 +470,12 @@ def require_supported_packing_contract(
             "ineligible tokens inside a document, but an eligibility field is configured; use "
             "packed_mask_type 'document_ids' with requires_packed_sequence_metadata=True and qkv_format 'bshd'"
         )
+    if contract.cp_size > 1:
+        raise ValueError(
+            f"packing_contract.cp_size: got {contract.cp_size}; TE THD with context parallelism needs every "
+            f"document padded to a multiple of 2 * cp_size = {2 * contract.cp_size}, which this loader does not "
+            "produce yet; use cp_size 1"
+        )
     if mask_type == "block_causal" and micro_batch_size is not None and sequence_length is not None:
         for name, value in (("micro_batch_size", micro_batch_size), ("sequence_length", sequence_length)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

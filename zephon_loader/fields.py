@@ -19,6 +19,8 @@ requires metadata           ``packed_token_indices`` int64 ``[B, S]``,
                             ``cu_seqlens`` int32 ``[B, D + 1]``, ``max_seqlen``
 ``qkv_format == "thd"``     ``qkv_format``, ``seq_lens``/``seq_lens_padded``
                             int64 ``[B, max_docs]`` (``-1000`` sentinel)
+``seq_idx`` requested       ``seq_idx`` int32 ``[B, S]`` (document index in the
+                            batch, ``-1`` at padding)
 ``position_ids`` (``hf``)   no ``attention_mask``: ``shift_labels`` (the same
                             tensor as ``labels``, already shifted, so Hugging
                             Face's loss does not shift again),
@@ -71,6 +73,10 @@ MAX_LENGTH_K: Final = "max_length_k"
 QKV_FORMAT: Final = "qkv_format"
 SEQ_LENS: Final = "seq_lens"
 SEQ_LENS_PADDED: Final = "seq_lens_padded"
+#: int32 ``[B, S]``: the sequence each token belongs to, numbered 0, 1, ... over the whole batch in row-major
+#: order, -1 at trailing padding (transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` name and
+#: numbering; Mamba-2 / hybrid kernels reset their state where it changes). Yielded on request (``contract.seq_idx``).
+SEQ_IDX: Final = "seq_idx"
 #: Hugging Face's name for labels already aligned with the logits (its loss does not shift them).
 SHIFT_LABELS: Final = "shift_labels"
 #: Hugging Face's KV-cache switch; ``False`` lets transformers derive the packed mask from positions.
@@ -115,7 +121,7 @@ IMAGE_MEDIA: Final[tuple[str, ...]] = (PIXEL_VALUES, IMAGE_GRID_THW)
 
 
 def yielded_fields(
-    packed_mask_type: str, *, metadata: bool, thd: bool
+    packed_mask_type: str, *, metadata: bool, thd: bool, seq_idx: bool = False
 ) -> tuple[str, ...]:
     """Names a yielded batch carries for one contract, in yield order.
 
@@ -127,6 +133,7 @@ def yielded_fields(
         packed_mask_type: ``"block_causal"``, ``"document_ids"``, ``"flash_varlen"`` or ``"position_ids"``.
         metadata: Whether the gathered-token metadata bundle is yielded.
         thd: Whether TE THD fields are yielded.
+        seq_idx: Whether ``seq_idx`` is yielded.
 
     Raises:
         ValueError: On an unknown ``packed_mask_type``.
@@ -140,4 +147,6 @@ def yielded_fields(
         names += METADATA + (PACKED_SEQ_IDS,)
     if thd:
         names += THD
+    if seq_idx:
+        names += (SEQ_IDX,)
     return names

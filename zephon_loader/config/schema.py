@@ -249,12 +249,19 @@ class ContractConfig:
         packed_mask_type: Explicit mask type (overrides the mapping where AutoModel lets the model decide).
         requires_packed_sequence_metadata: The model consumes the gathered-token bundle.
         qkv_format: ``bshd`` or ``thd`` (TE).
+        seq_idx: Also yield ``seq_idx`` int32 ``[B, S]``, transformers' flattening collator's
+            document index (0, 1, ... over the batch, -1 at padding) for Mamba-2 / linear-attention layers.
+        cp_size: Context-parallel size; above 1 (``qkv_format: thd`` only) every document is padded to a
+            multiple of ``2 * cp_size`` before packing (padding counted in ``stats()``), ``sequence_length``
+            must be a multiple of ``2 * cp_size``, and the wrap algorithms are refused.
     """
 
     attn_implementation: str | None = None
     packed_mask_type: Literal["block_causal", "document_ids", "flash_varlen", "position_ids"] | None = None
     requires_packed_sequence_metadata: bool = False
     qkv_format: Literal["bshd", "thd"] = "bshd"
+    seq_idx: bool = False
+    cp_size: int = 1
 
     def build(self) -> PackingContract:
         """The contract these fields describe.
@@ -275,11 +282,15 @@ class ContractConfig:
                 requires_packed_sequence_metadata=self.requires_packed_sequence_metadata,
                 packed_mask_type=self.packed_mask_type,
                 qkv_format=self.qkv_format,
+                seq_idx=self.seq_idx,
+                cp_size=self.cp_size,
             )
         return PackingContract(
             packed_mask_type=self.packed_mask_type or "block_causal",
             requires_packed_sequence_metadata=self.requires_packed_sequence_metadata,
             qkv_format=self.qkv_format,
+            seq_idx=self.seq_idx,
+            cp_size=self.cp_size,
         )
 
 

@@ -59,6 +59,7 @@ class FinalizeSettings:
         metadata: Yield the gathered-token bundle (required by the contract or requested).
         thd: Yield TE THD fields (``contract.qkv_format == "thd"``).
         xdoc: Cross-document attention: join each row's subdocuments.
+        seq_idx: Yield ``seq_idx`` (``contract.seq_idx``).
     """
 
     packing_contract: PackingContract
@@ -66,6 +67,7 @@ class FinalizeSettings:
     metadata: bool
     thd: bool
     xdoc: bool
+    seq_idx: bool = False
 
     @classmethod
     def from_contract(
@@ -110,12 +112,13 @@ class FinalizeSettings:
             metadata=contract.requires_packed_sequence_metadata or return_packed_sequence_metadata,
             thd=contract.qkv_format == "thd",
             xdoc=xdoc,
+            seq_idx=contract.seq_idx,
         )
 
     @property
     def yielded_fields(self) -> tuple[str, ...]:
         """Names every yielded batch carries (``_packed_seq_ids`` only listed when always present)."""
-        return F.yielded_fields(self.packed_mask_type, metadata=self.metadata, thd=self.thd)
+        return F.yielded_fields(self.packed_mask_type, metadata=self.metadata, thd=self.thd, seq_idx=self.seq_idx)
 
 
 def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
@@ -222,6 +225,30 @@ def thd_fields(ids: torch.Tensor) -> dict[str, Any]:
     seq_lens_padded = seq_lens.clone()
     seq_lens_padded[rows, (documents - 1).clamp_min(0)] += padding
     return {F.QKV_FORMAT: "thd", F.SEQ_LENS: seq_lens, F.SEQ_LENS_PADDED: seq_lens_padded}
+
+
+def sequence_index(document_ids: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B, S]``: transformers' ``seq_idx`` of a packed batch (``DataCollatorWithFlattening(return_seq_idx=True)``).
+
+    The collator flattens a batch's documents into one row and gives every token the index of its document,
+    0, 1, ... in order. Here the documents keep their rows: they are numbered in row-major order over the
+    whole batch (the first document of row ``b`` continues the numbering of row ``b - 1``), so the real
+    tokens of ``seq_idx.flatten()`` equal the collator's ``seq_idx`` of the same documents. Padding (id 0)
+    is ``-1``, a value no document has: a kernel comparing neighbours' ``seq_idx`` (Mamba-2's chunk scan,
+    ``causal_conv1d``) never joins padding to a document, in a row or in the batch flattened to one row.
+
+    Args:
+        document_ids: Integer ``[B, S]``, nonzero per document (a document is a run of one id in a row),
+            0 at padding. Under xdoc, the joined ids (one document per row).
+
+    >>> sequence_index(torch.tensor([[1, 1, 2, 0], [1, 1, 1, 1]])).tolist()
+    [[0, 0, 1, -1], [2, 2, 2, 2]]
+    """
+    real = document_ids.bool()
+    starts = real.clone()
+    starts[:, 1:] &= document_ids[:, 1:] != document_ids[:, :-1]
+    index = starts.view(-1).cumsum(0, dtype=torch.int32).view(document_ids.shape)
+    return index.sub_(1).masked_fill_(~real, -1)  # our own fresh tensor
 
 
 def hf_position_fields(
@@ -403,6 +430,10 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
                    else packed_sequence_metadata_of(ids, high, contiguous=contiguous))
     if settings.thd:
         out.update(thd_fields(ids))
+    if settings.seq_idx:
+        # Document membership, not attention: an ineligible token stays in its document's recurrence.
+        document_ids = work[F.DOCUMENT_IDS]
+        out[F.SEQ_IDX] = sequence_index(document_ids.bool() if settings.xdoc else document_ids)
     if settings.metadata or high > 1:
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():
