@@ -255,6 +255,12 @@ def resolve_contract(config: LoaderConfig, packing_contract: object | None) -> P
     if packing_contract is None:
         return config.packing_contract()
     model = PackingContract.of(packing_contract)
+    if model.cp_size > 1 and config.cp_multiple != model.cp_padding:
+        raise ValueError(
+            f"dataloader.contract.cp_size: the model's contract declares cp_size {model.cp_size} but the YAML "
+            f"{'does not' if not config.cp_multiple else 'declares ' + str(config.cp_multiple // 2)}; set "
+            f"contract.cp_size: {model.cp_size} (the pipeline pads documents before packing, so it must know)"
+        )
     if config.contract is None:
         return model
     configured = config.packing_contract()

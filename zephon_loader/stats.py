@@ -66,9 +66,12 @@ def batch_source_counts(sample_batch: Any) -> list[list[int]]:
 
 
 class CountingCollate:
-    """``collate`` plus ``[lane, batch_source_counts(batch), label_only]`` under ``fields.SOURCE_COUNTS`` (picklable).
+    """``collate`` plus ``[lane, batch_source_counts(batch), label_only, cp_padding]`` under
+    ``fields.SOURCE_COUNTS`` (picklable).
 
     ``label_only``: the batch's packed tokens that are no input token (the last token of each full row).
+    ``cp_padding``: the batch's context-parallel padding tokens (``contract.cp_size > 1``; Zephon's packer
+    counts them in the sources' tokens, as they are part of the padded records).
     """
 
     def __init__(self, collate_fn: Any) -> None:
@@ -80,7 +83,9 @@ class CountingCollate:
         packed = sum(tokens for _cid, _documents, tokens in counts)
         padding = out.get(F.PADDING_MASK)
         label_only = packed - int(padding.numel() - int(padding.sum())) if padding is not None else 0
-        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), counts, max(0, label_only)]
+        cp = out.get(F.CP_PADDING)
+        cp_padding = int(cp.sum()) if cp is not None else 0
+        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), counts, max(0, label_only), cp_padding]
         return out
 
 
@@ -132,11 +137,13 @@ class LoaderStats:
 
         ``carried``: it was left over from an earlier epoch's pass (the ranks ended that pass early).
         """
-        lane, counts, label_only = lane_counts
+        lane, counts, label_only, *cp = lane_counts
         entry = self._lane(lane)
         entry["batches"] += 1
         entry["carried"] += int(carried)
         entry["label_only"] += int(label_only)
+        if cp and cp[0]:
+            entry["cp_padding"] = entry.get("cp_padding", 0) + int(cp[0])
         delivered = entry["delivered"]
         for cid, documents, tokens in counts:
             pair = delivered.setdefault(self._name(cid), [0, 0])
@@ -168,10 +175,12 @@ class LoaderStats:
         """
         self._merge_log()
         lanes = copy.deepcopy(self._lanes)
-        for lane, counts, label_only in undelivered:
+        for lane, counts, label_only, *cp in undelivered:
             entry = lanes[int(lane)]
             entry["batches"] -= 1
             entry["label_only"] -= int(label_only)
+            if cp and cp[0]:
+                entry["cp_padding"] -= int(cp[0])
             for cid, documents, tokens in counts:
                 pair = entry["delivered"][self._name(cid)]
                 pair[0] -= int(documents)
@@ -216,6 +225,8 @@ class LoaderStats:
                 delivered = {str(k): [int(v[0]), int(v[1])] for k, v in entry["delivered"].items()}
                 lanes[int(lane)] = {"batches": int(entry["batches"]), "carried": int(entry.get("carried", 0)),
                                     "label_only": int(entry.get("label_only", 0)), "delivered": delivered}
+                if entry.get("cp_padding"):
+                    lanes[int(lane)]["cp_padding"] = int(entry["cp_padding"])
             drops = {_event_key(event): dict(event) for event in state["drops"]}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
@@ -233,7 +244,9 @@ class LoaderStats:
         {"documents", "tokens", "first": "<source, shard, line>"}}, "reasons": {reason: meaning}}``.
         ``tokens`` of a record dropped before tokenization is 0 (unknown). ``label_only_tokens``: delivered
         tokens that reached the model only as a label (see the module docstring): the input tokens
-        delivered are the sources' delivered ``tokens`` minus these.
+        delivered are the sources' delivered ``tokens`` minus these. ``cp_padding_tokens``: the padding
+        added after documents for context parallelism (``contract.cp_size > 1``; 0 otherwise), included in
+        the sources' delivered ``tokens``.
         """
         self._merge_log()
         totals: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
@@ -265,6 +278,8 @@ class LoaderStats:
             "batches": self.batches,
             "carried_batches": sum(entry.get("carried", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
             "label_only_tokens": sum(entry["label_only"] for lane, entry in self._lanes.items()
+                                     if self._owns(lane)),
+            "cp_padding_tokens": sum(entry.get("cp_padding", 0) for lane, entry in self._lanes.items()
                                      if self._owns(lane)),
             "sources": sources,
             "dropped": dropped,
