@@ -114,8 +114,11 @@ def main() -> None:
         automodel_metadata = None
         print("nemo-automodel 0.7.0 not importable (pip install --no-deps nemo-automodel==0.7.0): no ratio")
 
+    # name: (packed_mask_type, metadata, qkv_format, xdoc[, seq_idx])
     contracts = {
         "fa4 (document_ids + metadata)": ("document_ids", True, "bshd", False),
+        "fa4 + seq_idx": ("document_ids", True, "bshd", False, True),
+        "hf + seq_idx (no eligibility)": ("position_ids", False, "bshd", False, True),
         "document_ids": ("document_ids", False, "bshd", False),
         "document_ids + metadata, xdoc": ("document_ids", True, "bshd", True),
         "hf (position_ids, no eligibility)": ("position_ids", False, "bshd", False),
@@ -135,10 +138,11 @@ def main() -> None:
             theirs = median_ms(lambda: automodel_metadata(ids), args.repeats)
             line += f" | AutoModel 0.7.0 {theirs:8.3f} ms | speed-up {theirs / ours:5.1f}x (goal >= 12x)"
         print(line)
-        for name, (mask_type, metadata, qkv_format, xdoc) in contracts.items():
+        for name, (mask_type, metadata, qkv_format, xdoc, *extra) in contracts.items():
             try:
-                contract = PackingContract(mask_type, metadata, qkv_format)  # type: ignore[arg-type]
-            except ValueError:
+                options = {"seq_idx": True} if extra else {}
+                contract = PackingContract(mask_type, metadata, qkv_format, **options)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
                 print(f"  final map  {name:34s}  (contract unknown to this version)")
                 continue
             physical = mask_type in ("flash_varlen", "position_ids") or qkv_format == "thd"

@@ -221,3 +221,39 @@ def test_block_causal_mask_is_exact_at_every_id_width(high):
     assert mask.dtype == torch.bool and mask.shape == (2, 1, length, length)
     assert torch.equal(mask[:, 0], expected)
     assert torch.equal(block_causal_mask(ids.to(torch.int32) if high < 2**31 else ids), mask)
+
+
+@settings(max_examples=40, deadline=None)
+@given(packed_batches(), st.booleans())
+def test_seq_idx_numbers_documents_over_the_batch(batch, xdoc):
+    """``contract.seq_idx``: documents (membership, eligibility ignored) numbered 0, 1, ... row-major; -1 at
+    padding; the caller's tensors untouched; the same on the trusting and the validating path."""
+    contract = PackingContract("document_ids", seq_idx=True)
+    config = _settings(contract, xdoc, F.ATTENTION_ELIGIBILITY in batch)
+    snapshot = clone_batch(batch)
+    out = finalize_batch(batch, config)
+    assert_unchanged(snapshot, batch)
+    assert torch.equal(finalize_collated(batch, config)[F.SEQ_IDX], out[F.SEQ_IDX])
+    seq_idx = out[F.SEQ_IDX]
+    assert seq_idx.dtype == torch.int32 and seq_idx.shape == batch[F.DOCUMENT_IDS].shape
+    expected, next_index = [], 0
+    for row in batch[F.DOCUMENT_IDS].tolist():
+        numbered, last = [], None
+        for token_id in row:
+            if token_id == 0:
+                numbered.append(-1)
+                continue
+            key = 1 if xdoc else token_id
+            if key != last:
+                next_index, last = next_index + 1, key
+            numbered.append(next_index - 1)
+        expected.append(numbered)
+    assert seq_idx.tolist() == expected
+    assert F.SEQ_IDX not in finalize_batch(batch, _settings(PackingContract("document_ids"), xdoc,
+                                                             F.ATTENTION_ELIGIBILITY in batch))
+
+
+def test_seq_idx_contract_field_is_checked_once():
+    with pytest.raises(TypeError, match="packing_contract.seq_idx: got str 'yes', expected bool"):
+        PackingContract("document_ids", seq_idx="yes")  # type: ignore[arg-type]
+    assert _settings(PackingContract("position_ids", seq_idx=True), False, False).yielded_fields[-1] == F.SEQ_IDX

@@ -470,6 +470,11 @@ def require_supported_packing_contract(
             "ineligible tokens inside a document, but an eligibility field is configured; use "
             "packed_mask_type 'document_ids' with requires_packed_sequence_metadata=True and qkv_format 'bshd'"
         )
+    if contract.cp_size > 1 and sequence_length is not None and sequence_length % contract.cp_padding:
+        raise ValueError(
+            f"sequence_length: got {sequence_length} with packing_contract.cp_size {contract.cp_size}, expected a "
+            f"multiple of 2 * cp_size = {contract.cp_padding} (every document and the row's padding span a multiple)"
+        )
     if mask_type == "block_causal" and micro_batch_size is not None and sequence_length is not None:
         for name, value in (("micro_batch_size", micro_batch_size), ("sequence_length", sequence_length)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

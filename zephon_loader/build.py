@@ -11,6 +11,7 @@ begins reading data.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import shutil
 from functools import partial
@@ -278,15 +279,25 @@ def resolve_contract(config: LoaderConfig, packing_contract: object | None) -> P
     if packing_contract is None:
         return config.packing_contract()
     model = PackingContract.of(packing_contract)
+    if model.cp_size > 1 and config.cp_multiple != model.cp_padding:
+        raise ValueError(
+            f"dataloader.contract.cp_size: the model's contract declares cp_size {model.cp_size} but the YAML "
+            f"{'does not' if not config.cp_multiple else 'declares ' + str(config.cp_multiple // 2)}; set "
+            f"contract.cp_size: {model.cp_size} (the pipeline pads documents before packing, so it must know)"
+        )
     if config.contract is None:
         return model
     configured = config.packing_contract()
     if not hasattr(packing_contract, "qkv_format") and configured.qkv_format != model.qkv_format:
-        model = PackingContract(model.packed_mask_type, model.requires_packed_sequence_metadata, configured.qkv_format)
+        model = dataclasses.replace(model, qkv_format=configured.qkv_format)
+    # The loader-side options (seq_idx, cp_size) come from the YAML when the model's contract does not name them.
+    loader_side = {name: getattr(configured, name) for name in ("seq_idx", "cp_size")
+                   if not hasattr(packing_contract, name)}
+    if loader_side:
+        model = dataclasses.replace(model, **loader_side)
     if model != configured:
         raise ValueError(
-            f"dataloader.contract: the YAML asks for {configured.fields} (mask type, metadata, qkv format) but the "
-            f"model requires {model.fields}; remove 'contract' from the YAML to follow the model, or make them agree"
+            f"dataloader.contract: the YAML asks for {configured} but the model requires {model}; remove 'contract' from the YAML to follow the model, or make them agree"
         )
     return model
 

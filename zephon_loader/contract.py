@@ -7,7 +7,10 @@ A *packing contract* is duck-typed like AutoModel 0.7.0's
   (AutoModel's three) or ``"position_ids"`` (stock Hugging Face models, which
   derive the mask from ``position_ids`` themselves; ``attn_implementation: hf``);
 * ``requires_packed_sequence_metadata``: ``bool``;
-* optionally ``qkv_format``: ``"bshd"`` (default) or ``"thd"`` (Transformer Engine THD).
+* optionally ``qkv_format``: ``"bshd"`` (default) or ``"thd"`` (Transformer Engine THD);
+* optionally ``seq_idx``: ``bool`` (default False), also yield transformers' ``seq_idx``;
+* optionally ``cp_size``: ``int`` >= 1 (default 1), the context-parallel size the rows are laid out for
+  (``> 1``: TE THD only, every document padded to a multiple of ``2 * cp_size``).
 
 A contract is validated once, where it enters the package: a
 :class:`PackingContract` checks its fields when it is constructed (and is
@@ -74,11 +77,20 @@ class PackingContract:
             bundle). Not with ``"position_ids"``.
         qkv_format: ``"bshd"``, or ``"thd"`` to also yield TE THD ``seq_lens``
             and ``seq_lens_padded``. Not with ``"position_ids"``.
+        seq_idx: Also yield ``seq_idx`` int32 ``[B, S]`` as transformers'
+            ``DataCollatorWithFlattening(return_seq_idx=True)`` names and numbers it
+            (document boundaries for Mamba-2 / linear-attention layers).
+        cp_size: Context-parallel size. ``> 1`` (``qkv_format`` ``"thd"`` only):
+            every document is padded to a multiple of ``2 * cp_size`` before
+            packing, and ``cu_seqlens_padded``/``seq_lens_padded`` describe that
+            layout (TE THD + CP; docs/contract.md §7).
     """
 
     packed_mask_type: PackedMaskType = "block_causal"
     requires_packed_sequence_metadata: bool = False
     qkv_format: QKVFormat = "bshd"
+    seq_idx: bool = False
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         _check_contract(self)
@@ -105,6 +117,11 @@ class PackingContract:
         """``(packed_mask_type, requires_packed_sequence_metadata, qkv_format)``."""
         return self.packed_mask_type, self.requires_packed_sequence_metadata, self.qkv_format
 
+    @property
+    def cp_padding(self) -> int:
+        """The multiple every document is padded to: ``2 * cp_size``, or 0 without context parallelism."""
+        return 2 * self.cp_size if self.cp_size > 1 else 0
+
 
 def validate_packing_contract(contract: object) -> tuple[str, bool, str]:
     """Check a duck-typed contract and return its normalized fields.
@@ -130,8 +147,9 @@ def validate_packing_contract(contract: object) -> tuple[str, bool, str]:
     return _check_contract(contract)
 
 
-def _contract_fields(contract: object) -> tuple[Any, Any, Any]:
-    """The three raw fields of a duck-typed contract (``qkv_format`` missing or ``None`` → ``"bshd"``)."""
+def _contract_fields(contract: object) -> tuple[Any, Any, Any, Any, Any]:
+    """The raw fields of a duck-typed contract (``qkv_format`` missing or ``None`` → ``"bshd"``, ``seq_idx``
+    missing or ``None`` → False, ``cp_size`` missing or ``None`` → 1)."""
     name = type(contract).__name__
     for attribute in ("packed_mask_type", "requires_packed_sequence_metadata"):
         if not hasattr(contract, attribute):
@@ -144,11 +162,17 @@ def _contract_fields(contract: object) -> tuple[Any, Any, Any]:
         contract.packed_mask_type,  # type: ignore[attr-defined]
         contract.requires_packed_sequence_metadata,  # type: ignore[attr-defined]
         getattr(contract, "qkv_format", None) or "bshd",
+        _or(getattr(contract, "seq_idx", None), False),
+        _or(getattr(contract, "cp_size", None), 1),
     )
 
 
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _check_contract(contract: object) -> tuple[str, bool, str]:
-    mask_type, requires, qkv_format = _contract_fields(contract)
+    mask_type, requires, qkv_format, seq_idx, cp_size = _contract_fields(contract)
     if not isinstance(mask_type, str) or mask_type not in PACKED_MASK_TYPES:
         raise ValueError(
             f"packing_contract.packed_mask_type: got {mask_type!r}, expected one of {sorted(PACKED_MASK_TYPES)}"
@@ -173,6 +197,17 @@ def _check_contract(contract: object) -> tuple[str, bool, str]:
             "'hf'); THD is Transformer Engine's packed layout, which stock Hugging Face models do not take; use "
             "qkv_format 'bshd', or attn_implementation 'te' for THD"
         )
+    if not isinstance(seq_idx, bool):
+        raise TypeError(f"packing_contract.seq_idx: got {type(seq_idx).__name__} {seq_idx!r}, expected bool")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"packing_contract.cp_size: got {cp_size!r}, expected an int >= 1")
+    if cp_size > 1 and qkv_format != "thd":
+        raise ValueError(
+            f"packing_contract.cp_size: got {cp_size} with qkv_format {qkv_format!r}, expected qkv_format 'thd': "
+            "per-document padding for context parallelism is Transformer Engine's THD layout (cu_seqlens_padded); "
+            "set qkv_format 'thd' (attn_implementation 'te'), or cp_size 1 (a 'bshd' model splits the row itself "
+            "and needs no padding)"
+        )
     return mask_type, requires, qkv_format
 
 
@@ -186,6 +221,8 @@ def contract_for_attention(
     requires_packed_sequence_metadata: bool = False,
     packed_mask_type: PackedMaskType | None = None,
     qkv_format: QKVFormat = "bshd",
+    seq_idx: bool = False,
+    cp_size: int = 1,
 ) -> PackingContract:
     """Map an AutoModel attention name to a contract, as AutoModel 0.7.0's
     ``get_packing_capabilities`` does.
@@ -207,6 +244,7 @@ def contract_for_attention(
         packed_mask_type: The model's declared mask type, if any (ignored by
             ``fa4`` and flash implementations, as in AutoModel).
         qkv_format: ``"thd"`` to yield TE THD fields (``te`` only).
+        seq_idx, cp_size: As :class:`PackingContract`.
 
     Raises:
         ValueError: Unknown attention name, ``thd`` with a backend other than
@@ -239,4 +277,6 @@ def contract_for_attention(
         packed_mask_type=mask_type,  # type: ignore[arg-type]
         requires_packed_sequence_metadata=requires_packed_sequence_metadata,
         qkv_format=qkv_format,
+        seq_idx=seq_idx,
+        cp_size=cp_size,
     )

@@ -19,6 +19,10 @@ requires metadata           ``packed_token_indices`` int64 ``[B, S]``,
                             ``cu_seqlens`` int32 ``[B, D + 1]``, ``max_seqlen``
 ``qkv_format == "thd"``     ``qkv_format``, ``seq_lens``/``seq_lens_padded``
                             int64 ``[B, max_docs]`` (``-1000`` sentinel)
+``cp_size > 1``             metadata (always) and ``cu_seqlens_padded`` int32
+                            ``[B, D + 1]`` (``-1`` tail), the padded layout
+``seq_idx`` requested       ``seq_idx`` int32 ``[B, S]`` (document index in the
+                            batch, ``-1`` at padding)
 ``position_ids`` (``hf``)   no ``attention_mask``: ``shift_labels`` (the same
                             tensor as ``labels``, already shifted, so Hugging
                             Face's loss does not shift again),
@@ -49,6 +53,10 @@ DOCUMENT_IDS: Final = "document_ids"
 ATTENTION_DOCUMENT_IDS: Final = "attention_document_ids"
 #: Optional per-token bool from a processor; False = neither attends nor is attended.
 ATTENTION_ELIGIBILITY: Final = "attention_eligibility"
+#: Per-token marker of context-parallel padding (``contract.cp_size > 1``): the pad tokens appended to each
+#: document before packing so that it spans a multiple of ``2 * cp_size``. A payload field (uint8, 1 at such
+#: padding) through Zephon's packer, a bool ``[B, S]`` in the TrainingBatch; never yielded.
+CP_PADDING: Final = "cp_padding"
 
 #: Per-batch ``[[component id, documents, tokens], ...]`` from Zephon's row provenance
 #: (:func:`zephon_loader.stats.batch_source_counts`); the loader counts it into ``stats()``
@@ -71,6 +79,12 @@ MAX_LENGTH_K: Final = "max_length_k"
 QKV_FORMAT: Final = "qkv_format"
 SEQ_LENS: Final = "seq_lens"
 SEQ_LENS_PADDED: Final = "seq_lens_padded"
+#: TE's physical offsets of each document (``contract.cp_size > 1``): int32 ``[B, D + 1]``, row-local.
+CU_SEQLENS_PADDED: Final = "cu_seqlens_padded"
+#: int32 ``[B, S]``: the sequence each token belongs to, numbered 0, 1, ... over the whole batch in row-major
+#: order, -1 at trailing padding (transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` name and
+#: numbering; Mamba-2 / hybrid kernels reset their state where it changes). Yielded on request (``contract.seq_idx``).
+SEQ_IDX: Final = "seq_idx"
 #: Hugging Face's name for labels already aligned with the logits (its loss does not shift them).
 SHIFT_LABELS: Final = "shift_labels"
 #: Hugging Face's KV-cache switch; ``False`` lets transformers derive the packed mask from positions.
@@ -115,7 +129,7 @@ IMAGE_MEDIA: Final[tuple[str, ...]] = (PIXEL_VALUES, IMAGE_GRID_THW)
 
 
 def yielded_fields(
-    packed_mask_type: str, *, metadata: bool, thd: bool
+    packed_mask_type: str, *, metadata: bool, thd: bool, seq_idx: bool = False, cp: bool = False
 ) -> tuple[str, ...]:
     """Names a yielded batch carries for one contract, in yield order.
 
@@ -127,6 +141,8 @@ def yielded_fields(
         packed_mask_type: ``"block_causal"``, ``"document_ids"``, ``"flash_varlen"`` or ``"position_ids"``.
         metadata: Whether the gathered-token metadata bundle is yielded.
         thd: Whether TE THD fields are yielded.
+        seq_idx: Whether ``seq_idx`` is yielded.
+        cp: Context-parallel layout (``cp_size > 1``): ``cu_seqlens_padded`` after the THD fields.
 
     Raises:
         ValueError: On an unknown ``packed_mask_type``.
@@ -140,4 +156,8 @@ def yielded_fields(
         names += METADATA + (PACKED_SEQ_IDS,)
     if thd:
         names += THD
+    if cp:
+        names += (CU_SEQLENS_PADDED,)
+    if seq_idx:
+        names += (SEQ_IDX,)
     return names

@@ -66,15 +66,18 @@ def batch_source_counts(sample_batch: Any) -> list[list[int]]:
 
 
 class CountingCollate:
-    """``collate`` plus ``[lane, batch_source_counts(batch), label_only]`` under ``fields.SOURCE_COUNTS`` (picklable).
+    """``collate`` plus ``[lane, batch_source_counts(batch), label_only, cp_padding]`` under
+    ``fields.SOURCE_COUNTS`` (picklable).
 
     ``label_only``: the batch's packed tokens that are no input token (the last token of each full row).
+    ``cp_padding``: the batch's context-parallel padding tokens (``contract.cp_size > 1``; Zephon's packer
+    counts them in the sources' tokens, as they are part of the padded records).
     """
 
     def __init__(self, collate_fn: Any, phase_of: Any = None) -> None:
         self.collate_fn = collate_fn
         #: With a mixture schedule: the source's current phase, read when a batch is collated (right after the
-        #: source returned it, before it can switch): a fourth element of ``SOURCE_COUNTS``.
+        #: source returned it, before it can switch): a fifth element of ``SOURCE_COUNTS``.
         self.phase_of = phase_of
 
     def __call__(self, sample_batch: Any) -> dict[str, Any]:
@@ -83,7 +86,9 @@ class CountingCollate:
         packed = sum(tokens for _cid, _documents, tokens in counts)
         padding = out.get(F.PADDING_MASK)
         label_only = packed - int(padding.numel() - int(padding.sum())) if padding is not None else 0
-        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), counts, max(0, label_only)]
+        cp = out.get(F.CP_PADDING)
+        cp_padding = int(cp.sum()) if cp is not None else 0
+        out[F.SOURCE_COUNTS] = [lane_of(sample_batch), counts, max(0, label_only), cp_padding]
         if self.phase_of is not None:
             out[F.SOURCE_COUNTS].append(int(self.phase_of()))
         return out
@@ -137,11 +142,14 @@ class LoaderStats:
 
         ``carried``: it was left over from an earlier epoch's pass (the ranks ended that pass early).
         """
-        lane, counts, label_only, *phase = lane_counts
+        lane, counts, label_only, *rest = lane_counts
+        cp, phase = (rest[0] if rest else 0), rest[1:]
         entry = self._lane(lane)
         entry["batches"] += 1
         entry["carried"] += int(carried)
         entry["label_only"] += int(label_only)
+        if cp:
+            entry["cp_padding"] = entry.get("cp_padding", 0) + int(cp)
         self._add(entry["delivered"], counts, 1)
         if phase:  # a mixture schedule's phase: counted per phase too
             self._add(entry.setdefault("phases", {}).setdefault(str(phase[0]), {}), counts, 1)
@@ -177,10 +185,13 @@ class LoaderStats:
         """
         self._merge_log()
         lanes = copy.deepcopy(self._lanes)
-        for lane, counts, label_only, *phase in undelivered:
+        for lane, counts, label_only, *rest in undelivered:
+            cp, phase = (rest[0] if rest else 0), rest[1:]
             entry = lanes[int(lane)]
             entry["batches"] -= 1
             entry["label_only"] -= int(label_only)
+            if cp:
+                entry["cp_padding"] -= int(cp)
             self._add(entry["delivered"], counts, -1)
             if phase:
                 self._add(entry["phases"][str(phase[0])], counts, -1)
@@ -228,6 +239,8 @@ class LoaderStats:
                     lanes[int(lane)]["phases"] = {
                         str(phase): {str(k): [int(v[0]), int(v[1])] for k, v in by_source.items()}
                         for phase, by_source in entry["phases"].items()}
+                if entry.get("cp_padding"):
+                    lanes[int(lane)]["cp_padding"] = int(entry["cp_padding"])
             drops = {_event_key(event): dict(event) for event in state["drops"]}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
@@ -247,7 +260,9 @@ class LoaderStats:
         delivered (the phases this rank's lanes reached).
         ``tokens`` of a record dropped before tokenization is 0 (unknown). ``label_only_tokens``: delivered
         tokens that reached the model only as a label (see the module docstring): the input tokens
-        delivered are the sources' delivered ``tokens`` minus these.
+        delivered are the sources' delivered ``tokens`` minus these. ``cp_padding_tokens``: the padding
+        added after documents for context parallelism (``contract.cp_size > 1``; 0 otherwise), included in
+        the sources' delivered ``tokens``.
         """
         self._merge_log()
         totals: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
@@ -288,6 +303,8 @@ class LoaderStats:
             "batches": self.batches,
             "carried_batches": sum(entry.get("carried", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
             "label_only_tokens": sum(entry["label_only"] for lane, entry in self._lanes.items()
+                                     if self._owns(lane)),
+            "cp_padding_tokens": sum(entry.get("cp_padding", 0) for lane, entry in self._lanes.items()
                                      if self._owns(lane)),
             "sources": sources,
             "dropped": dropped,

@@ -20,7 +20,7 @@ from zephon_loader import fields
 ATTN_IMPLEMENTATIONS: Final[tuple[str, ...]] = ("sdpa", "fa4", "te")
 
 #: Physical THD offsets (documents placed at padded starts) for ``sdpa`` and ``te``.
-CU_SEQLENS_PADDED: Final = "cu_seqlens_padded"
+CU_SEQLENS_PADDED: Final = fields.CU_SEQLENS_PADDED
 
 FLATTEN_HINT: Final = (
     "flatten the batch-major metadata once at model entry, after pipeline microbatch splitting, with "

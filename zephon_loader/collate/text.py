@@ -183,9 +183,9 @@ def _pad_rows(result: dict[str, torch.Tensor], rows: int, pad_token_id: int) -> 
     out[F.PADDING_MASK] = extend(result[F.PADDING_MASK], torch.ones(missing, length, dtype=torch.bool))
     out[F.POSITION_IDS] = extend(positions, tail_positions)
     out[F.DOCUMENT_IDS] = extend(result[F.DOCUMENT_IDS], torch.zeros(missing, length, dtype=torch.int64))
-    if F.ATTENTION_ELIGIBILITY in result:
-        ineligible = torch.zeros(missing, length, dtype=torch.bool)
-        out[F.ATTENTION_ELIGIBILITY] = extend(result[F.ATTENTION_ELIGIBILITY], ineligible)
+    for name in (F.ATTENTION_ELIGIBILITY, F.CP_PADDING):  # eligibility False, no context-parallel padding
+        if name in result:
+            out[name] = extend(result[name], torch.zeros(missing, length, dtype=torch.bool))
     if F.CU_SEQLENS in result:
         cu = result[F.CU_SEQLENS]
         segments = torch.full((missing, cu.shape[1]), length, dtype=cu.dtype)
@@ -222,7 +222,14 @@ def collate(
     ``CU_SEQLENS``              int32      ``[B, K]`` Zephon's physical segment offsets
                                            (padding run included; rows padded with ``S``)
     ``ATTENTION_ELIGIBILITY``   bool       ``[B, S]`` only when the batch carries it
+    ``CP_PADDING``              bool       ``[B, S]`` True at context-parallel padding, only when
+                                           the records carry it (``contract.cp_size > 1``)
     ==========================  =========  ====================================================
+
+    Context-parallel padding (records padded before packing, ``fields.CP_PADDING``
+    in the payload): the label of a padding token and the label whose target
+    is a padding token are ``IGNORE_INDEX``; tokens, positions (a document's
+    padding continues its positions) and document ids are Zephon's.
 
     Label masking:
 
@@ -327,13 +334,14 @@ def _collate(zephon_batch: Any, mask_cross_document_labels: bool, eos_mask_loss:
                  "Set eligibility_field in build_pipeline, or pass eligibility=None/False.")
         )
     carry_elig = has_elig and eligibility is not False
+    carry_cp = F.CP_PADDING in first
 
     out = zephon_batch.to_training(
         return_labels=True,
         return_padding_mask=True,
         return_cu_seqlens=physical_cu_seqlens,
         ignore_index=F.IGNORE_INDEX,
-        extra_fields=[F.ATTENTION_ELIGIBILITY] if carry_elig else [],
+        extra_fields=[F.ATTENTION_ELIGIBILITY] * carry_elig + [F.CP_PADDING] * carry_cp,
         eos_mask_loss=eos_mask_loss,
         eos_token_id=int(eos_token_id) if eos_mask_loss else None,
         exclude_fields=(Z.IDS, Z.TEXTS),
@@ -384,6 +392,18 @@ def _collate(zephon_batch: Any, mask_cross_document_labels: bool, eos_mask_loss:
     }
     if physical_cu_seqlens:
         result[F.CU_SEQLENS] = cu
+    if carry_cp:
+        cp = out.get(F.CP_PADDING)
+        if not isinstance(cp, torch.Tensor) or tuple(cp.shape) != shape:
+            raise ValueError(_err(f"to_training()[{F.CP_PADDING!r}]", _describe(cp), f"shape {shape}",
+                                  "The context-parallel padding marker must be per-token."))
+        cp = cp.bool()
+        # Unsupervised: a padding token's label, and the label whose target (the next token) is padding.
+        last_target = torch.from_numpy(np.asarray(
+            [np.asarray(record.payload[F.CP_PADDING])[-1] for record in zephon_batch.records]) != 0)
+        target = torch.cat([cp[:, 1:], last_target[:, None]], dim=1)
+        result[F.LABELS] = labels.masked_fill(cp | target, F.IGNORE_INDEX)
+        result[F.CP_PADDING] = cp
     if carry_elig:
         elig = out.get(F.ATTENTION_ELIGIBILITY)
         if not isinstance(elig, torch.Tensor) or tuple(elig.shape) != shape:

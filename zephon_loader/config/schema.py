@@ -54,9 +54,10 @@ SOURCE_FORMATS = ("jsonl", "parquet", "litdata", "lance", "vortex")
 #: Formats Zephon 0.2 has a reader for that a source cannot be: why, and what to do instead.
 UNREAD_FORMATS = {
     "mds": ("Zephon reads MDS through mosaicml-streaming, which cannot be installed beside this loader: it pins "
-            "transformers<5 (the loader needs transformers 5) and its import loads torchvision, whose PyPI wheel "
-            "fails against a CPU torch. Convert the shards once (read them with streaming.StreamingDataset, write "
-            "the rows with pyarrow.parquet.write_table) and set format: parquet"),
+            "transformers<5 (the loader needs transformers 5); its fork streaming-community 0.14.2 lifts that pin "
+            "but, like it, imports torchvision on 'import streaming', whose PyPI wheel (the CUDA build) fails "
+            "against a CPU torch ('operator torchvision::nms does not exist'). Convert the shards once (read them "
+            "with streaming.StreamingDataset, write the rows with pyarrow.parquet.write_table) and set format: parquet"),
     "hf": ("Zephon's Hugging Face reader serves hf:// Hub URLs only (resolved online), and no Zephon format reads "
            "the Arrow files of a save_to_disk folder. Convert it once: "
            "datasets.load_from_disk(path).to_parquet('<folder>/part-00000.parquet'), then point the source at "
@@ -285,12 +286,19 @@ class ContractConfig:
         packed_mask_type: Explicit mask type (overrides the mapping where AutoModel lets the model decide).
         requires_packed_sequence_metadata: The model consumes the gathered-token bundle.
         qkv_format: ``bshd`` or ``thd`` (TE).
+        seq_idx: Also yield ``seq_idx`` int32 ``[B, S]``, transformers' flattening collator's
+            document index (0, 1, ... over the batch, -1 at padding) for Mamba-2 / linear-attention layers.
+        cp_size: Context-parallel size; above 1 (``qkv_format: thd`` only) every document is padded to a
+            multiple of ``2 * cp_size`` before packing (padding counted in ``stats()``), ``sequence_length``
+            must be a multiple of ``2 * cp_size``, and the wrap algorithms are refused.
     """
 
     attn_implementation: str | None = None
     packed_mask_type: Literal["block_causal", "document_ids", "flash_varlen", "position_ids"] | None = None
     requires_packed_sequence_metadata: bool = False
     qkv_format: Literal["bshd", "thd"] = "bshd"
+    seq_idx: bool = False
+    cp_size: int = 1
 
     def build(self) -> PackingContract:
         """The contract these fields describe.
@@ -311,11 +319,15 @@ class ContractConfig:
                 requires_packed_sequence_metadata=self.requires_packed_sequence_metadata,
                 packed_mask_type=self.packed_mask_type,
                 qkv_format=self.qkv_format,
+                seq_idx=self.seq_idx,
+                cp_size=self.cp_size,
             )
         return PackingContract(
             packed_mask_type=self.packed_mask_type or "block_causal",
             requires_packed_sequence_metadata=self.requires_packed_sequence_metadata,
             qkv_format=self.qkv_format,
+            seq_idx=self.seq_idx,
+            cp_size=self.cp_size,
         )
 
 
@@ -426,6 +438,8 @@ class LoaderConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     base_dir: str = "."
 
+    #: Whether this kind lays rows out for context parallelism (``contract.cp_size > 1``).
+    SUPPORTS_CP: ClassVar[bool] = False
     #: The bundled example the YAML reader points to.
     EXAMPLE_CONFIG: ClassVar[str] = "configs/demo.yaml"
     #: The ``_target_`` a YAML node of this schema names.
@@ -497,6 +511,7 @@ class LoaderConfig:
                 optional = "." in name or type(None) in typing.get_args(hints.get(name))
                 raise ValueError(f"dataloader.{name}: got {value}, expected an int > 0" + (" or null" if optional else ""))
         self._check_batch_size()
+        self._check_context_parallel()
         if self.passes is not None and self.passes <= 0:
             raise ValueError(f"dataloader.passes: got {self.passes}, expected an int > 0 or null (endless)")
         self._check_schedule()
@@ -564,6 +579,28 @@ class LoaderConfig:
         sources = tuple(dataclasses.replace(source, weight=float(weights[source.name])) for source in self.sources)
         return dataclasses.replace(self, sources=sources, mixture="repeat")
 
+    def _check_context_parallel(self) -> None:
+        """``contract.cp_size > 1`` against the rest of the config (the contract's own fields: ``contract.py``)."""
+        cp_size = self.contract.cp_size if self.contract is not None else 1
+        if cp_size <= 1:
+            return
+        multiple = 2 * cp_size
+        where = f"dataloader.contract.cp_size: got {cp_size}"
+        if not self.SUPPORTS_CP:
+            raise ValueError(f"{where} for an image-text loader, expected 1: context-parallel padding is laid out "
+                             "for text rows only")
+        if self.sequence_length % multiple:
+            raise ValueError(f"{where} with sequence_length {self.sequence_length}, expected a sequence_length that "
+                             f"is a multiple of 2 * cp_size = {multiple} (every document and the row's padding span a "
+                             f"multiple of it); use e.g. {self.sequence_length + multiple - self.sequence_length % multiple}")
+        if self.xdoc:
+            raise ValueError(f"{where} with xdoc: true, expected xdoc: false; TE's THD + CP attends within each "
+                             "padded document, a joined row is not one")
+        algorithm = self.packing.algorithm  # type: ignore[attr-defined]
+        if algorithm not in ("first_fit", "best_fit"):
+            raise ValueError(f"{where} with packing.algorithm {algorithm!r}, expected first_fit or best_fit: a "
+                             "document wrapped across rows leaves a piece that is not a multiple of 2 * cp_size")
+
     def _check_batch_size(self) -> None:
         """Refuse a batch no machine holds (``10**9`` tokens failed only at the first batch, in the allocator).
 
@@ -588,6 +625,14 @@ class LoaderConfig:
         """``mask_cross_document_labels`` resolved: on unless xdoc, when unset."""
         masked = self.mask_cross_document_labels
         return masked if masked is not None else not self.xdoc
+
+    @property
+    def cp_multiple(self) -> int:
+        """What every document is padded to before packing: ``2 * contract.cp_size``, or 0 (no context parallelism).
+
+        Read from the configured field (the model's contract never names ``cp_size``: the YAML's applies)."""
+        cp_size = self.contract.cp_size if self.contract is not None else 1
+        return 2 * cp_size if cp_size > 1 else 0
 
     def packing_contract(self) -> PackingContract:
         """The configured contract, or AutoModel's default (block-causal, no metadata)."""
@@ -631,6 +676,8 @@ class TextLoaderConfig(LoaderConfig):
     pad_token_id: int | None = None
     max_record_bytes: int | None = DEFAULT_MAX_RECORD_BYTES
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    SUPPORTS_CP: ClassVar[bool] = True
 
     def positive_ints(self) -> dict[str, int | None]:
         return {**super().positive_ints(), "max_record_bytes": self.max_record_bytes}

@@ -41,7 +41,7 @@ from zephon_loader.packing import (compact_left, document_lengths, packed_sequen
 #: contract passes through unchanged (e.g. processor outputs like pixel values).
 #: Zephon's physical ``cu_seqlens`` is replaced: AutoModel reads ``cu_seqlens``
 #: as gathered-token offsets, so physical offsets must never reach it.
-_CONSUMED = frozenset({F.DOCUMENT_IDS, F.ATTENTION_DOCUMENT_IDS, F.ATTENTION_ELIGIBILITY, F.CU_SEQLENS})
+_CONSUMED = frozenset({F.DOCUMENT_IDS, F.ATTENTION_DOCUMENT_IDS, F.ATTENTION_ELIGIBILITY, F.CU_SEQLENS, F.CP_PADDING})
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class FinalizeSettings:
         metadata: Yield the gathered-token bundle (required by the contract or requested).
         thd: Yield TE THD fields (``contract.qkv_format == "thd"``).
         xdoc: Cross-document attention: join each row's subdocuments.
+        seq_idx: Yield ``seq_idx`` (``contract.seq_idx``).
+        cp_size: ``contract.cp_size``; above 1 the batch's context-parallel padding (``fields.CP_PADDING``)
+            is left out of the attention ids (so of ``seq_lens`` and the metadata) and kept in
+            ``seq_lens_padded``/``cu_seqlens_padded``; metadata is then always on.
     """
 
     packing_contract: PackingContract
@@ -66,6 +70,8 @@ class FinalizeSettings:
     metadata: bool
     thd: bool
     xdoc: bool
+    seq_idx: bool = False
+    cp_size: int = 1
 
     @classmethod
     def from_contract(
@@ -104,18 +110,25 @@ class FinalizeSettings:
         )
         if not isinstance(xdoc, bool):
             raise TypeError(f"xdoc: got {type(xdoc).__name__} {xdoc!r}, expected bool")
+        if xdoc and contract.cp_size > 1:
+            raise ValueError(f"xdoc: got True with packing_contract.cp_size {contract.cp_size}, expected False: "
+                             "TE's THD + CP attends within each padded document, a joined row is not one")
         return cls(
             packing_contract=contract,
             packed_mask_type=contract.packed_mask_type,
-            metadata=contract.requires_packed_sequence_metadata or return_packed_sequence_metadata,
+            metadata=(contract.requires_packed_sequence_metadata or return_packed_sequence_metadata
+                      or contract.cp_size > 1),
             thd=contract.qkv_format == "thd",
             xdoc=xdoc,
+            seq_idx=contract.seq_idx,
+            cp_size=contract.cp_size,
         )
 
     @property
     def yielded_fields(self) -> tuple[str, ...]:
         """Names every yielded batch carries (``_packed_seq_ids`` only listed when always present)."""
-        return F.yielded_fields(self.packed_mask_type, metadata=self.metadata, thd=self.thd)
+        return F.yielded_fields(self.packed_mask_type, metadata=self.metadata, thd=self.thd, seq_idx=self.seq_idx,
+                                cp=self.cp_size > 1)
 
 
 def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
@@ -196,12 +209,18 @@ def _segment_lengths(starts: torch.Tensor, member: torch.Tensor) -> torch.Tensor
     return torch.bincount(segment[keep], minlength=int(starts.sum()))
 
 
-def thd_fields(ids: torch.Tensor) -> dict[str, Any]:
+def thd_fields(ids: torch.Tensor, spans: torch.Tensor | None = None) -> dict[str, Any]:
     """Transformer Engine THD lengths per document.
 
     Args:
         ids: int64 ``[B, S]`` attention document ids; zeros only at trailing
-            padding (eligibility holes are refused for THD at construction).
+            padding (eligibility holes are refused for THD at construction), and
+            at context-parallel padding when ``spans`` is given.
+        spans: int64 ``[B, S]`` document ids over the padded layout (context
+            parallelism: ``ids`` plus each document's padding), or ``None``
+            (``ids``). Then ``cu_seqlens_padded`` is returned too: int32
+            ``[B, width + 1]``, per row ``0`` and the running sum of
+            ``seq_lens_padded`` (each row ends at ``S``), ``-1`` after.
 
     Returns:
         ``qkv_format``: ``"thd"``; ``seq_lens``: int64 ``[B, max_docs]``, real
@@ -210,18 +229,51 @@ def thd_fields(ids: torch.Tensor) -> dict[str, Any]:
         padding so each row sums to ``S``. Unused entries are ``-1000``. A row
         with no document holds one empty document spanning the row.
     """
-    counts = document_lengths(ids)
-    present = counts > 0
+    layout = ids if spans is None else spans
+    counts = document_lengths(ids, int(layout.max()) if layout.numel() else 0)
+    span_counts = counts if spans is None else document_lengths(spans)
+    present = span_counts > 0
     documents = present.sum(dim=1)
     width = max(1, int(documents.max()))
     seq_lens = compact_left(counts, present, F.THD_SENTINEL, width)
     empty = documents == 0
     seq_lens[:, 0] = torch.where(empty, torch.zeros_like(seq_lens[:, 0]), seq_lens[:, 0])
-    padding = (ids == 0).sum(dim=1)
+    padding = (layout == 0).sum(dim=1)
     rows = torch.arange(ids.shape[0], device=ids.device)
-    seq_lens_padded = seq_lens.clone()
+    seq_lens_padded = seq_lens.clone() if spans is None else compact_left(span_counts, present, F.THD_SENTINEL, width)
+    if spans is not None:
+        seq_lens_padded[:, 0] = torch.where(empty, torch.zeros_like(seq_lens_padded[:, 0]), seq_lens_padded[:, 0])
     seq_lens_padded[rows, (documents - 1).clamp_min(0)] += padding
-    return {F.QKV_FORMAT: "thd", F.SEQ_LENS: seq_lens, F.SEQ_LENS_PADDED: seq_lens_padded}
+    out = {F.QKV_FORMAT: "thd", F.SEQ_LENS: seq_lens, F.SEQ_LENS_PADDED: seq_lens_padded}
+    if spans is not None:
+        used = seq_lens_padded != F.THD_SENTINEL
+        offsets = seq_lens_padded.masked_fill(~used, 0).cumsum(dim=1, dtype=torch.int32).masked_fill_(~used, -1)
+        out[F.CU_SEQLENS_PADDED] = torch.cat([torch.zeros_like(offsets[:, :1]), offsets], dim=1)
+    return out
+
+
+def sequence_index(document_ids: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B, S]``: transformers' ``seq_idx`` of a packed batch (``DataCollatorWithFlattening(return_seq_idx=True)``).
+
+    The collator flattens a batch's documents into one row and gives every token the index of its document,
+    0, 1, ... in order. Here the documents keep their rows: they are numbered in row-major order over the
+    whole batch (the first document of row ``b`` continues the numbering of row ``b - 1``), so the real
+    tokens of ``seq_idx.flatten()`` equal the collator's ``seq_idx`` of the same documents. Padding (id 0)
+    is ``-1``, a value no document has: a kernel comparing neighbours' ``seq_idx`` (Mamba-2's chunk scan,
+    ``causal_conv1d``) never joins padding to a document, in a row or in the batch flattened to one row.
+
+    Args:
+        document_ids: Integer ``[B, S]``, nonzero per document (a document is a run of one id in a row),
+            0 at padding. Under xdoc, the joined ids (one document per row).
+
+    >>> sequence_index(torch.tensor([[1, 1, 2, 0], [1, 1, 1, 1]])).tolist()
+    [[0, 0, 1, -1], [2, 2, 2, 2]]
+    """
+    real = document_ids.bool()
+    starts = real.clone()
+    starts[:, 1:] &= document_ids[:, 1:] != document_ids[:, :-1]
+    index = starts.view(-1).cumsum(0, dtype=torch.int32).view(document_ids.shape)
+    return index.sub_(1).masked_fill_(~real, -1)  # our own fresh tensor
 
 
 def hf_position_fields(
@@ -379,6 +431,15 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
         # collate's ids start exactly where positions restart: rows that count up join in one pass.
         joined = joined_positions_of_runs(document_ids, positions) if _validated else None
         work[F.POSITION_IDS] = joined if joined is not None else joined_positions(document_ids, positions)
+    elif settings.cp_size > 1:  # context-parallel padding attends nothing and is attended by nothing
+        cp = work.get(F.CP_PADDING)
+        if not isinstance(cp, torch.Tensor) or cp.dtype != torch.bool or cp.shape != work[F.DOCUMENT_IDS].shape:
+            raise ValueError(
+                f"{F.CP_PADDING}: got {type(cp).__name__ if not isinstance(cp, torch.Tensor) else (cp.dtype, tuple(cp.shape))} "
+                f"with packing_contract.cp_size {settings.cp_size}, expected a bool [B, S] tensor marking each "
+                "document's context-parallel padding (what collate builds from records padded by the loader's pipeline)"
+            )
+        work[F.ATTENTION_DOCUMENT_IDS] = work[F.DOCUMENT_IDS].masked_fill(cp, 0)
     else:
         work[F.ATTENTION_DOCUMENT_IDS] = attention_document_ids(work[F.DOCUMENT_IDS], work.get(F.ATTENTION_ELIGIBILITY))
     ids: torch.Tensor = work[F.ATTENTION_DOCUMENT_IDS]
@@ -402,7 +463,11 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
         out.update(single_document_metadata(ids, member) if settings.xdoc
                    else packed_sequence_metadata_of(ids, high, contiguous=contiguous))
     if settings.thd:
-        out.update(thd_fields(ids))
+        out.update(thd_fields(ids, work[F.DOCUMENT_IDS]) if settings.cp_size > 1 else thd_fields(ids))
+    if settings.seq_idx:
+        # Document membership, not attention: an ineligible token stays in its document's recurrence.
+        document_ids = work[F.DOCUMENT_IDS]
+        out[F.SEQ_IDX] = sequence_index(document_ids.bool() if settings.xdoc else document_ids)
     if settings.metadata or high > 1:
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():

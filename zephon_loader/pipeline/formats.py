@@ -36,7 +36,9 @@ Not offered, and why (checked on a CPU machine with zephon 0.2.0, Dec 2026;
 the reasons users see are ``config.schema.UNREAD_FORMATS``): MDS needs
 ``mosaicml-streaming`` (0.13.0), whose ``import streaming`` imports ``torchvision`` (the PyPI wheel is the CUDA build
 and does not load against the CPU torch) and which pins ``transformers<5``
-(the loader's ``hf``/``trainer`` extras need transformers 5); Zephon's
+(the loader's ``hf``/``trainer`` extras need transformers 5); its fork ``streaming-community`` 0.14.2 lifts
+the pin but still imports ``torchvision`` from ``import streaming`` (0.28.0 from the index fails against the
+CPU torch 2.13: ``operator torchvision::nms does not exist``), so Zephon's MDS reader stays disabled; Zephon's
 Hugging Face reader serves ``hf://`` Hub URLs only (it resolves them online),
 and no Zephon format reads the Arrow files of a ``save_to_disk`` folder.
 """

@@ -361,12 +361,19 @@ class CheckTokens(RecordOperator):
         row_capacity: With ``first_fit``/``best_fit``, ``L + 1``: longer records are
             dropped and counted as :data:`LONGER_THAN_ROW`; ``None`` for the wrap algorithms.
         eligibility_field, loss_mask_field: Optional per-token fields to keep.
+        cp_multiple: Context-parallel padding (``2 * cp_size``; 0: none): a kept record's tokens are
+            followed by ``pad_token_id`` up to the next multiple of it, the loss mask by 0s, and every
+            record gets ``fields.CP_PADDING`` (uint8 ``[n]``, 1 at those pad tokens), so that Zephon's packer
+            counts the padding as the record's room (a padded record that no longer fits the open row goes
+            to another row, as any record does). ``row_capacity`` is then ``S``: a record of ``S + 1`` tokens
+            would span ``S + 2 * cp_size``.
+        pad_token_id: The pad id (with ``cp_multiple``).
         **kwargs: ``shards``, ``policy``, ``log`` (:class:`RecordOperator`).
     """
 
     def __init__(self, *, tokens_field: str, vocab_size: int | None, max_record_tokens: int | None,
                  row_capacity: int | None, eligibility_field: str | None = None, loss_mask_field: str | None = None,
-                 **kwargs: Any) -> None:
+                 cp_multiple: int = 0, pad_token_id: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tokens_field = tokens_field
         self.vocab_size = vocab_size
@@ -374,6 +381,8 @@ class CheckTokens(RecordOperator):
         self.row_capacity = row_capacity
         self.eligibility_field = eligibility_field
         self.loss_mask_field = loss_mask_field
+        self.cp_multiple = cp_multiple
+        self.pad_token_id = pad_token_id
 
     def process(self, payload: Any, sample_id: Any) -> tuple[Any, Problem | None]:
         """The kept fields as numpy arrays, with the problem of a record that is too long (or ``(None, problem)``)."""
@@ -413,9 +422,24 @@ class CheckTokens(RecordOperator):
             return out, ("too_many_tokens", field, f"{n} tokens", f"at most max_record_tokens={self.max_record_tokens}",
                          "Split the document, or raise max_record_tokens.")
         if self.row_capacity is not None and n > self.row_capacity:
-            return out, (LONGER_THAN_ROW, field, f"{n} tokens", f"at most {self.row_capacity} (one row)",
-                         "Use packing.algorithm: wrap to split long documents.")
+            fix = ("With contract.cp_size > 1 a row holds S tokens of padded documents: split the document, or "
+                   "raise sequence_length." if self.cp_multiple else "Use packing.algorithm: wrap to split long "
+                   "documents.")
+            return out, (LONGER_THAN_ROW, field, f"{n} tokens", f"at most {self.row_capacity} (one row)", fix)
+        if self.cp_multiple:
+            out = self._cp_padded(out, n)
         return out, None
+
+    def _cp_padded(self, out: dict[str, Any], n: int) -> dict[str, Any]:
+        """``out`` with every per-token field padded to the next multiple of ``cp_multiple`` and the marker."""
+        pad = -n % self.cp_multiple
+        marker = np.zeros(n + pad, dtype=np.uint8)
+        marker[n:] = 1
+        padded: dict[str, Any] = {F.CP_PADDING: marker}
+        for name, values in out.items():
+            fill = self.pad_token_id if name == ZEPHON_TOKENS_KEY else 0
+            padded[name] = np.concatenate([values, np.full(pad, fill, dtype=values.dtype)]) if pad else values
+        return padded
 
     def sample_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {self.tokens_field: [0, 0, 0]}

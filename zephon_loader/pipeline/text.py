@@ -199,7 +199,7 @@ def build_pipeline(
     if transform is not None:
         pipeline = pipeline.map_transform(transform)
     pipeline, loss_mask_field = _tokenize(pipeline, config, mode, tokenizer, checks)
-    pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks)
+    pipeline = _check_tokens(pipeline, config, tokenizer, loss_mask_field, checks, pad_token_id)
     pipeline = _pack_and_batch(pipeline, config, pad_token_id)
     pipeline = pipeline.options(**runtime_options(config, dp, work, run_id_suffix))
     return BuiltPipeline(pipeline, work.shards, pad_token_id,
@@ -328,16 +328,26 @@ def _tokenize(
 
 
 def _check_tokens(
-    pipeline: Any, config: TextLoaderConfig, tokenizer: Any, loss_mask_field: str | None, checks: dict[str, Any]
+    pipeline: Any, config: TextLoaderConfig, tokenizer: Any, loss_mask_field: str | None, checks: dict[str, Any],
+    pad_token_id: int,
 ) -> Any:
-    """Per-record token checks (vocabulary, empty, aligned fields, lengths); see :mod:`zephon_loader.pipeline.records`."""
+    """Per-record token checks (vocabulary, empty, aligned fields, lengths); see :mod:`zephon_loader.pipeline.records`.
+
+    With ``contract.cp_size > 1`` the same operator pads each kept record to a multiple of ``2 * cp_size``
+    (before ``pack_flat``, so the packer gives the padding room; only first_fit/best_fit are allowed then) and
+    a row holds at most ``S`` tokens of padded records (a padded record ends on a multiple of ``2 * cp_size``
+    and ``S`` is one, so the ``S + 1``-th packed token is always the row's padding).
+    """
     tok = config.tokenizer
+    cp_multiple = config.cp_multiple
+    capacity = config.sequence_length if cp_multiple else config.sequence_length + 1
     check = CheckTokens(
         tokens_field=tok.pretokenized_field or ZEPHON_TOKENS_KEY,
         vocab_size=len(tokenizer) if tokenizer is not None else None,
         max_record_tokens=config.max_record_tokens,
-        row_capacity=config.sequence_length + 1 if config.packing.algorithm in _BINNED else None,
-        eligibility_field=config.eligibility_field, loss_mask_field=loss_mask_field, **checks)
+        row_capacity=capacity if config.packing.algorithm in _BINNED else None,
+        eligibility_field=config.eligibility_field, loss_mask_field=loss_mask_field,
+        cp_multiple=cp_multiple, pad_token_id=pad_token_id, **checks)
     # After a Ray tokenize stage the checks run on the trainer's threads again (see tokenize_placement).
     after = "local" if tokenize_placement(config) == "remote" else "auto"
     return pipeline.add_op("zephon_loader.check_tokens", process_many=check,
