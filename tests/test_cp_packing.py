@@ -220,3 +220,25 @@ def test_cp_contract_and_config_refusals():
     ):
         with pytest.raises(ValueError, match=match):
             build_text_loader(_node(2, **overrides))
+
+
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_a_cp_run_resumes_exactly_and_refuses_a_state_of_another_cp_size(cp_run, read_ahead):
+    """A state taken k batches into a cp_size run resumes at batch k + 1 (the padded layout included); a loader
+    with another cp_size refuses it, naming the contract (its rows are laid out differently)."""
+    cp_size, batches, _, _ = cp_run
+    with build_text_loader(_node(cp_size, read_ahead=read_ahead)) as loader:
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+        state = loader.state_dict()
+    with build_text_loader(_node(cp_size, read_ahead=read_ahead)) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert len(rest) == len(batches) - 5
+    for got, want in zip(rest, batches[5:]):
+        for name in (F.INPUT_IDS, F.LABELS, F.POSITION_IDS, F.SEQ_LENS_PADDED, F.SEQ_LENS):
+            assert torch.equal(got[name], want[name]), name
+    other = 4 if cp_size == 2 else 2
+    with build_text_loader(_node(other)) as loader, pytest.raises(ValueError, match=rf"contract\.cp_size: saved {cp_size}, now {other}"):
+        loader.load_state_dict(state)

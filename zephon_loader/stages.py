@@ -172,6 +172,8 @@ class TextStage:
             "packing": [cfg.packing.algorithm, cfg.packing.num_bins, built.pad_token_id],
             "eligibility_field": cfg.eligibility_field,
             "label_masking": [cfg.labels_mask_cross_document, cfg.eos_mask_loss, cfg.eos_token_id],
+            # Context-parallel padding changes what is packed where (absent at 1: states of earlier versions load).
+            **({"contract.cp_size": cfg.cp_multiple // 2} if cfg.cp_multiple else {}),
             # Only when the default flush window was shortened: states of the unshortened stream still load.
             **({"flush_window": built.flush_window} if built.flush_window is not None else {}),
         }
