@@ -1,7 +1,7 @@
 """What a data-parallel job pays the loader per rank as it grows: state, checkpoint traffic, pass agreement.
 
     python benchmarks/bench_scale.py [--ranks 1,2,4,8,16] [--lanes 1,8] [--files 200] [--seq 512] [--batch 2]
-                                     [--calls 3] [--passes 1]
+                                     [--calls 3] [--passes 1] [--step-ms 0]
 
 For each N in ``--ranks`` and each factor f in ``--lanes``, N processes on this
 machine form a gloo process group on loopback (as ``torchrun`` would:
@@ -12,7 +12,9 @@ light runner: 16-32 ranks share this machine's cores), wrap packing,
 ``read_ahead`` 2 and ``passes: 1``, over the Python standard library's
 sources as JSONL (``--files`` files in 4 shards). Each rank then
 
-1. reads ``--passes`` whole passes (the ranks' pass ends agreed:
+1. reads ``--passes`` whole passes (``--step-ms``: sleeping that long per
+   batch, a training step during which the read-ahead fills; 0: as fast as
+   the data comes, a loop bound by the data) (the ranks' pass ends agreed:
    ``distributed.even_passes``), counting its batches, the collectives it
    ran on ``torch.distributed`` while doing so (``all_reduce``, ``broadcast``,
    ``all_gather``, ``barrier``, ``new_group``: counted by wrapping them; the
@@ -173,7 +175,17 @@ def _rank(rank: int, world: int, lanes: int, port: int, args: dict, out: str) ->
             dist.barrier()
             counters.collectives, counters.collective_s = 0, 0.0
             start = time.perf_counter()
-            result["batches_per_pass"] = [sum(1 for _ in loader) for _ in range(args["passes"])]
+            step = args["step_ms"] / 1e3
+
+            def count(batches) -> int:
+                n = 0
+                for _ in batches:
+                    n += 1
+                    if step:
+                        time.sleep(step)  # a training step (the loop's own work), during which the read-ahead fills
+                return n
+
+            result["batches_per_pass"] = [count(loader) for _ in range(args["passes"])]
             result["pass_s"] = (time.perf_counter() - start) / max(1, args["passes"])
             result["collectives"] = counters.collectives
             result["agree_s"] = counters.agree_s
@@ -279,6 +291,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--passes", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="a training step per batch (a sleep): the read-ahead fills meanwhile, as in training")
     parser.add_argument("--json", help="also write the rows here")
     options = parser.parse_args()
     ranks = [int(n) for n in options.ranks.split(",")]
@@ -288,9 +302,10 @@ def main() -> None:
         corpus = Path(root) / "stdlib"
         documents, size = make_corpus(corpus, options.files)
         args = {"corpus": str(corpus), "seq": options.seq, "batch": options.batch, "calls": options.calls,
-                "passes": options.passes}
+                "passes": options.passes, "step_ms": options.step_ms}
         print(f"corpus: {documents} stdlib files in 4 shards, {size / 2**20:.1f} MiB; S={options.seq}, "
-              f"B={options.batch}, runner threads, read_ahead 2, defaults otherwise; {os.cpu_count()} cores",
+              f"B={options.batch}, runner threads, read_ahead 2, step {options.step_ms:g} ms, defaults otherwise; "
+              f"{os.cpu_count()} cores",
               flush=True)
         print(HEADER)
         print("|---" * (HEADER.count("|") - 1) + "|",
