@@ -231,6 +231,8 @@ class ZephonLoader:
             pending, self._pending = self._pending, None
             if self._even_passes and self._agreement is None:
                 self._agreement = PassAgreement.for_job(loader_identity(self.fingerprint), self.batch_size)
+                if self._agreement is not None:  # a rank promises the batches it holds: hold a window of them
+                    self._read_ahead.hold = max(self._read_ahead.depth, PassAgreement.WINDOW)
             self._generation += 1
             # A new pass after an ended one carries in what the ranks had left (an ended loaded state's carry, or
             # the agreement's): kept so that set_epoch() before the first batch can restart the pass with it.
@@ -324,16 +326,22 @@ class ZephonLoader:
             return batch
 
     def _agree(self) -> None:
-        """Before a batch: ask every rank whether it has one; end the pass for all when one has none.
+        """Before a batch: unless every rank promised it already, ask every rank whether it has one (and how
+        many it holds read ahead: the next exchange waits that many batches); end the pass for all when one
+        has none.
 
         What the others had left is carried into the next pass (a collective, at the same batch on every rank).
         """
         assert self._agreement is not None
-        key = self._read_ahead.peek()
+        window = self._agreement.WINDOW
+        if self._agreement.granted(lambda: self._read_ahead.ahead(window)[1]):  # every rank promised it
+            return
+        key, held = self._read_ahead.ahead(window)
         chain = self._source.chain_epochs
         reading = chain.index(key[0]) if isinstance(key, tuple) and key[0] in chain else (
             len(chain) - 1 if key is not None else len(chain))
-        every, some, drained = self._agreement.exchange(key is not None, [i < reading for i in range(len(chain))])
+        promise = 0 if key is None else max(1, min(held, window))  # a failure next: one (next() raises it)
+        every, some, drained = self._agreement.exchange(promise, [i < reading for i in range(len(chain))])
         if every:
             return
         with self._state_lock:

@@ -347,7 +347,8 @@ class DistributedConfig:
             ``passes``, every rank yields the same number of batches per pass:
             the pass ends for all at the shortest rank's count, and what the
             others had left comes first in the next epoch (one small
-            ``all_reduce`` per batch). ``false``: each rank's pass ends with
+            ``all_reduce`` per up to 8 batches away from a pass end, on the
+            process group when it takes CPU tensors). ``false``: each rank's pass ends with
             its own lanes (train by steps then). With it, every rank of the
             process group iterates the loader (else ``AgreementError`` at the
             first batch) and has a batch in each pass (else ``EmptyRankError``):

@@ -6,10 +6,24 @@ a pass (74 and 93 at 2 ranks on the standard library's sources). A loop that
 runs one collective per batch (DDP, FSDP) then pairs one rank's last batches
 with another's next epoch, and hangs or crashes when the short rank stops.
 
-So in a job with a process group, before each batch every rank says whether
-it has one (:meth:`PassAgreement.exchange`: one ``all_reduce`` of a few ints
-on a gloo group of the loader's own, made once, ~0.1 ms on loopback); the
-first time one rank has none, every rank ends its pass at that same batch.
+So in a job with a process group the ranks agree how far the pass goes on:
+at an exchange (:meth:`PassAgreement.exchange`, one ``all_reduce(MIN)`` of a
+few ints) every rank promises the batches it holds read ahead (pulled from
+Zephon and not yet delivered: ``next()`` returns them whatever happens), and
+the minimum over the ranks is granted: the next that many batches need no
+exchange. The read-ahead holds up to :attr:`PassAgreement.WINDOW` batches
+under the agreement, so away from a pass end there is one collective per up
+to that many batches, started :attr:`PassAgreement.LEAD` batches before the
+grant runs out as an asynchronous ``all_reduce`` whose answer is waited for
+only when it is needed (off ``next()``'s critical path while batches are
+ready). When the grant runs out without a new one, the exchange is blocking
+and says whether every rank has a next batch; the first time one rank has
+none, every rank ends its pass at that same batch: exactly where an exchange
+per batch would end it (a granted batch is one every rank has). The exchanges
+run on the default process group when its backend takes CPU tensors (gloo,
+or ``cpu:gloo,...``), in the training's own order of collectives (every rank
+issues them at the same batches); otherwise (nccl) on a gloo group of the
+loader's own, made once.
 Nothing is dropped: what the other ranks had left is carried into the next
 epoch and delivered first (:meth:`ZephonSource.carry_over
 <zephon_loader.nodes.source.ZephonSource.carry_over>`), so every record is
@@ -91,19 +105,36 @@ def loader_identity(fingerprint: Mapping[str, Any]) -> str:
 
 
 class PassAgreement:
-    """One ``all_reduce(MIN)`` per batch over every rank of the default process group, on a gloo group.
+    """The ranks' pass end, agreed with one ``all_reduce(MIN)`` per up to :attr:`WINDOW` batches.
 
-    The group is made at the first :meth:`exchange` (``new_group`` is itself a
-    collective: every rank makes it at its first ``next()``, in step), after the
-    ranks met in the store (:meth:`_meet`).
+    Per batch the loader calls :meth:`granted` (no collective: is this batch
+    promised by every rank?) and, when it is not, :meth:`exchange` (blocking).
+    The group is chosen at the first :meth:`exchange`, after the ranks met in
+    the store (:meth:`_meet`): the default group when its backend takes CPU
+    tensors, else a gloo group made then (``new_group`` is itself a collective:
+    every rank makes it at its first ``next()``, in step).
+
+    Attributes:
+        collectives: Collectives this agreement ran (a count for tests and benchmarks).
 
     Args:
         identity: Names the loader across ranks (:func:`loader_identity`).
         micro_batch_size: ``B``, for the messages.
     """
 
+    #: Batches a rank keeps read ahead to promise (the read-ahead's ``hold``); one exchange per up to this many.
+    WINDOW = 8
+    #: The next exchange starts (asynchronously) when this many granted batches are left.
+    LEAD = 2
+
     def __init__(self, identity: str = "", micro_batch_size: int | None = None) -> None:
         self._group: Any = None
+        self._ready = False  # the ranks met and the group is chosen
+        self.collectives = 0
+        self._index = 0  # the batch of the pass about to be asked about
+        self._horizon = 0  # the first batch of the pass not promised by every rank
+        self._launch: tuple[Any, Any, int] | None = None  # (work, tensor, index) of the asynchronous exchange
+        self._launched_at = -1
         self._identity = identity
         self._micro_batch_size = micro_batch_size
         self._first = False  # the next exchange is the first of a pass
@@ -123,12 +154,56 @@ class PassAgreement:
     def begin_pass(self, fresh: bool, epoch: int | None = None) -> None:
         """A pass begins (``iter()``): from its beginning (``fresh``) or from a loaded state, in ``epoch``."""
         self._first, self._fresh, self._epoch, self._failed = True, fresh, epoch, None
+        # An exchange started in the last pass completes on its own (every rank issued it at the same batch);
+        # its answer is about that pass: dropped.
+        self._index, self._horizon, self._launch, self._launched_at = 0, 0, None, -1
 
-    def exchange(self, has_batch: bool, drained: Sequence[bool]) -> tuple[bool, bool, list[bool]]:
-        """Every rank's answer, combined.
+    def granted(self, pending: Any) -> bool:
+        """Whether every rank promised the next batch (then it is counted as taken); no blocking collective.
 
         Args:
-            has_batch: This rank has a next batch in the pass.
+            pending: ``() -> int``, the batches this rank holds read ahead now (the next one included; inline,
+                pulled now up to :attr:`WINDOW`), for the asynchronous exchange started :attr:`LEAD` batches
+                before the grant runs out.
+
+        Raises:
+            EmptyRankError: This pass's, again (every rank raised it at the same batch).
+        """
+        if self._failed is not None:
+            raise self._failed
+        index = self._index
+        if index >= self._horizon and self._launch is not None:
+            self._collect()
+        if index >= self._horizon:
+            return False
+        if self._launch is None and self._horizon - index <= self.LEAD and self._launched_at != index:
+            self._start(index, min(int(pending()), self.WINDOW))
+        self._index += 1
+        return True
+
+    def _start(self, index: int, promise: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        values = torch.tensor([int(promise)], dtype=torch.int64)
+        work = dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self._group, async_op=True)
+        self.collectives += 1
+        self._launch, self._launched_at = (work, values, index), index
+
+    def _collect(self) -> None:
+        assert self._launch is not None
+        work, values, index = self._launch
+        self._launch = None
+        work.wait()
+        self._horizon = max(self._horizon, index + int(values.item()))
+
+    def exchange(self, has_batch: bool | int, drained: Sequence[bool]) -> tuple[bool, bool, list[bool]]:
+        """Every rank's answer, combined (a blocking collective); when every rank has a batch, the grant
+        of :meth:`granted` becomes the smallest promise, the batch asked about included.
+
+        Args:
+            has_batch: This rank has a next batch in the pass: how many it holds read ahead (an int, its
+                promise), or ``True``/``False`` (one or none).
             drained: Per pipeline of this rank's chain, whether this rank has read all of it
                 (the chains have the same length on every rank).
 
@@ -146,17 +221,27 @@ class PassAgreement:
 
         if self._failed is not None:  # every rank raised it at the same batch: again, on every rank
             raise self._failed
-        if self._group is None:
+        if not self._ready:
             self._meet()
-            self._group = dist.new_group(backend="gloo")
-        values = torch.tensor([int(has_batch), -int(has_batch), *map(int, drained)], dtype=torch.int64)
+            backend = str(dist.get_backend())
+            # The default group carries CPU tensors with gloo (also "cpu:gloo,cuda:nccl"); nccl does not.
+            self._group = None if "gloo" in backend else dist.new_group(backend="gloo")
+            self._ready = True
+        if self._launch is not None:  # (granted() collects it first; kept for a direct call)
+            self._collect()
+        promise = max(0, int(has_batch))
+        values = torch.tensor([promise, -promise, *map(int, drained)], dtype=torch.int64)
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self._group)
+        self.collectives += 1
         out = values.tolist()
-        every, some = bool(out[0]), bool(-out[1])
+        every, some = out[0] > 0, out[1] < 0
         first, self._first = self._first, False
         if first and self._fresh and some and not every:  # the same on every rank: every rank raises
-            self._failed = self._empty_ranks(has_batch)
+            self._failed = self._empty_ranks(bool(promise))
             raise self._failed
+        if every:
+            self._horizon = max(self._horizon, self._index + out[0])
+            self._index += 1
         return every, some, [bool(v) for v in out[2:]]
 
     def _empty_ranks(self, has_batch: bool) -> EmptyRankError:
@@ -168,6 +253,7 @@ class PassAgreement:
         empty = torch.zeros(world, dtype=torch.int64)
         empty[dist.get_rank()] = int(not has_batch)
         dist.all_reduce(empty, op=dist.ReduceOp.SUM, group=self._group)
+        self.collectives += 1
         ranks = [rank for rank, none in enumerate(empty.tolist()) if none]
         epoch = f"epoch {self._epoch}'s pass" if self._epoch is not None else "this pass"
         batch = f" x micro_batch_size {self._micro_batch_size}" if self._micro_batch_size else ""

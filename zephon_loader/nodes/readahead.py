@@ -137,6 +137,10 @@ class ReadAhead(BaseNode):
         self._anchor_due = 0.0  # monotonic time after which the next pull takes a new anchor
         self._anchor_pulls = 0  # pulls since the anchor
         self._closed = False  # close() until the next reset(): next() raises
+        #: Batches the background thread keeps pulled ahead: ``max(depth, hold)``. The pass agreement raises
+        #: it (:attr:`~zephon_loader.nodes.agreement.PassAgreement.WINDOW`) so that a rank can promise as
+        #: many batches as it holds and skip the exchanges for them.
+        self.hold = depth
 
     @property
     def buffered(self) -> int:
@@ -216,7 +220,7 @@ class ReadAhead(BaseNode):
     def _fill(self) -> None:
         while True:
             with self._space:
-                while len(self._buffer) >= self.depth and not self._stop:
+                while len(self._buffer) >= max(self.depth, self.hold) and not self._stop:
                     self._space.wait()
                 if self._stop:
                     return
@@ -301,6 +305,41 @@ class ReadAhead(BaseNode):
         if isinstance(item, _Pending):
             return item.key
         return None if isinstance(item, _End) else "failure"
+
+    def ahead(self, limit: int) -> tuple[Any, int]:
+        """Wait for the next item as :meth:`peek` does; inline (``depth=0``) pull up to ``limit`` batches now.
+
+        Returns:
+            ``(peek's answer, batches pulled and not delivered at the front: how many the consumer can
+            certainly take)``; 0 at the end, and before a failure.
+        """
+        key = self.peek()
+        if not self.depth and key is not None and key != "failure":
+            with self._space:
+                count = self._leading()
+            while count < limit:
+                with self._source_lock:
+                    item = self._pull()
+                    with self._space:
+                        self._buffer.append(item)
+                if not isinstance(item, _Pending):
+                    break
+                count += 1
+        return key, self.pending()
+
+    def pending(self) -> int:
+        """Batches pulled and not delivered, before any end or failure: the ones ``next()`` will certainly
+        return. Does not wait."""
+        with self._space:
+            return self._leading()
+
+    def _leading(self) -> int:
+        count = 0
+        for item in self._buffer:
+            if not isinstance(item, _Pending):
+                break
+            count += 1
+        return count
 
     def _delivered(self, item: Any) -> Any:
         if self.retain and isinstance(item, _Pending):
