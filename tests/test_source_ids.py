@@ -328,3 +328,20 @@ def test_image_source_ids_after_a_resume(image_sources, image_base):
     assert len(rest) == len(image_base) - k
     for a, b in zip(rest, image_base[k:]):
         assert torch.equal(a[F.SOURCE_IDS], b[F.SOURCE_IDS])
+
+
+def test_source_ids_under_a_mixture_schedule(sources, tokenizer_dir, classes):
+    """Each phase its own pipeline over the same sources: indices stay those of ``sources``; the phases' weights
+    show in the source ids' counts."""
+    schedule = {"schedule": [{"until_steps": 6, "weights": {"lower": 20.0, "upper": 1.0, "digits": 1.0}},
+                             {"weights": {"lower": 1.0, "upper": 1.0, "digits": 20.0}}]}
+    config = _config(sources, tokenizer_dir, contract=CONTRACTS["fa4"][0], mixture=schedule, passes=None,
+                     packing={"algorithm": "wrap"})
+    batches = _run(config, limit=12)
+    counts = []
+    for batch in batches:
+        reference, checked = text_reference(batch, classes)
+        assert torch.equal(batch[F.SOURCE_IDS][checked], reference[checked])
+        counts.append(torch.bincount(batch[F.SOURCE_IDS][batch[F.SOURCE_IDS] >= 0], minlength=3))
+    first, second = sum(counts[:6]), sum(counts[6:])
+    assert first[0] > first[2] and second[2] > second[0], (first, second)
