@@ -21,7 +21,8 @@ median time of:
   the dense mask the contract asks for can beat;
 * ``collate`` of a Zephon ``SampleBatch`` of the same shape, as the loader
   calls it (to_training, the checks of Zephon's output, document ids, label
-  masking).
+  masking), and with the records' source marks (``return_source_ids``: the
+  ``source_ids`` field is built there; the final map passes it on).
 
 Allocations: glibc's dynamic mmap and trim thresholds make a ``[B, S]`` tensor
 allocated per call cost page faults in some processes and not in others (the
@@ -77,7 +78,7 @@ def packed_batch(batch_size: int, sequence_length: int, documents: int, seed: in
     }
 
 
-def zephon_batch(batch: dict) -> SampleBatch:
+def zephon_batch(batch: dict, source_marks: bool = False) -> SampleBatch:
     """The Zephon ``SampleBatch`` (rows of ``S + 1`` tokens, as ``pack_flat(S + 1).batch(B)`` emits) whose
     collated form has ``batch``'s padding and subdocument layout (the extra last column repeats the last one)."""
     tokens = torch.cat([batch[F.INPUT_IDS], batch[F.INPUT_IDS][:, -1:]], dim=1).numpy()
@@ -90,7 +91,12 @@ def zephon_batch(batch: dict) -> SampleBatch:
             sample_id=(0, 0, row), lane_id=0, chunk_id=0, chunk_offset=row,
             tags={"_packing_metadata": {"padding_length": pad + 1 if pad else 0}},
         )
-        records.append(SampleRecord(meta=meta, payload={"tokens": tokens[row], "positions": positions[row]}))
+        payload = {"tokens": tokens[row], "positions": positions[row]}
+        if source_marks:  # three sources in turn, one per document; 0 at the packer's padding
+            marks = (positions[row] == 0).cumsum().astype(np.int32) % 3 + 1
+            marks[len(marks) - (pad + 1 if pad else 0):] = 0
+            payload[F.SOURCE_MARKS] = marks
+        records.append(SampleRecord(meta=meta, payload=payload))
     return SampleBatch(tuple(records))
 
 
@@ -118,6 +124,9 @@ def main() -> None:
     contracts = {
         "fa4 (document_ids + metadata)": ("document_ids", True, "bshd", False),
         "fa4 + seq_idx": ("document_ids", True, "bshd", False, True),
+        "fa4 + source_ids": ("document_ids", True, "bshd", False, "source_ids"),
+        "xdoc + metadata + source_ids": ("document_ids", True, "bshd", True, "source_ids"),
+        "te thd + source_ids": ("document_ids", False, "thd", False, "source_ids"),
         "hf + seq_idx (no eligibility)": ("position_ids", False, "bshd", False, True),
         "document_ids": ("document_ids", False, "bshd", False),
         "document_ids + metadata, xdoc": ("document_ids", True, "bshd", True),
@@ -139,17 +148,26 @@ def main() -> None:
             line += f" | AutoModel 0.7.0 {theirs:8.3f} ms | speed-up {theirs / ours:5.1f}x (goal >= 12x)"
         print(line)
         for name, (mask_type, metadata, qkv_format, xdoc, *extra) in contracts.items():
+            source_ids = extra == ["source_ids"]
             try:
-                options = {"seq_idx": True} if extra else {}
+                options = {"seq_idx": True} if extra and not source_ids else {}
                 contract = PackingContract(mask_type, metadata, qkv_format, **options)  # type: ignore[arg-type]
             except (TypeError, ValueError):
                 print(f"  final map  {name:34s}  (contract unknown to this version)")
                 continue
             physical = mask_type in ("flash_varlen", "position_ids") or qkv_format == "thd"
             sample = {k: v for k, v in batch.items() if not (physical and k == F.ATTENTION_ELIGIBILITY)}
-            settings = FinalizeSettings.from_contract(
-                contract, xdoc=xdoc, attention_eligibility=F.ATTENTION_ELIGIBILITY in sample
-            )
+            try:
+                settings = FinalizeSettings.from_contract(
+                    contract, xdoc=xdoc, attention_eligibility=F.ATTENTION_ELIGIBILITY in sample,
+                    **({"return_source_ids": True} if source_ids else {}),
+                )
+            except TypeError:
+                print(f"  final map  {name:34s}  (return_source_ids unknown to this version)")
+                continue
+            if source_ids:  # what collate builds: each token's source, -1 at padding
+                marks = (batch[F.POSITION_IDS] == 0).cumsum(dim=1) % 3
+                sample[F.SOURCE_IDS] = marks.masked_fill(batch[F.PADDING_MASK], -1)
             final_map = FinalMap(settings)
             if mask_type == "block_causal":
                 elapsed = median_ms(lambda: final_map(sample), 3)
@@ -179,6 +197,15 @@ def main() -> None:
             args.repeats,
         )
         print(f"  collate    Zephon SampleBatch -> TrainingBatch      {elapsed:8.3f} ms")
+        marked = zephon_batch(batch, source_marks=True)
+        if F.SOURCE_IDS in collate(marked, mask_cross_document_labels=True, physical_cu_seqlens=False):
+            with_ids, without, ratio = paired_median_seconds(
+                lambda: collate(marked, mask_cross_document_labels=True, physical_cu_seqlens=False,
+                                micro_batch_size=batch_size, pad_token_id=0),
+                lambda: collate(raw, mask_cross_document_labels=True, physical_cu_seqlens=False,
+                                micro_batch_size=batch_size, pad_token_id=0), args.repeats)
+            print(f"  collate    + source marks -> source_ids             {with_ids * 1e3:8.3f} ms = "
+                  f"{ratio:5.2f}x without ({(with_ids - without) * 1e3:+.3f} ms)")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def build_loader(
         contract,
         xdoc=cfg.xdoc,
         return_packed_sequence_metadata=cfg.return_packed_sequence_metadata,
+        return_source_ids=cfg.return_source_ids,
         micro_batch_size=stage.micro_batch_size,
         sequence_length=cfg.sequence_length,
         block_mask_budget_bytes=cfg.block_mask_budget_bytes,

@@ -23,6 +23,8 @@ requires metadata           ``packed_token_indices`` int64 ``[B, S]``,
                             ``[B, D + 1]`` (``-1`` tail), the padded layout
 ``seq_idx`` requested       ``seq_idx`` int32 ``[B, S]`` (document index in the
                             batch, ``-1`` at padding)
+``return_source_ids``       ``source_ids`` int64 ``[B, S]`` (mixture source of
+                            each input token, ``-1`` at padding)
 ``position_ids`` (``hf``)   no ``attention_mask``: ``shift_labels`` (the same
                             tensor as ``labels``, already shifted, so Hugging
                             Face's loss does not shift again),
@@ -85,6 +87,16 @@ CU_SEQLENS_PADDED: Final = "cu_seqlens_padded"
 #: order, -1 at trailing padding (transformers' ``DataCollatorWithFlattening(return_seq_idx=True)`` name and
 #: numbering; Mamba-2 / hybrid kernels reset their state where it changes). Yielded on request (``contract.seq_idx``).
 SEQ_IDX: Final = "seq_idx"
+#: int64 ``[B, S]``: the mixture source each input token came from, its index in the config's ``sources``
+#: (``SOURCE_ID_PADDING`` at the row's trailing padding and in padding rows), aligned with ``input_ids``
+#: (``labels[b, j]`` is the target predicted from that token). Yielded on request (``return_source_ids``).
+SOURCE_IDS: Final = "source_ids"
+#: ``source_ids`` of padding tokens (no source: a value no source index has).
+SOURCE_ID_PADDING: Final = -1
+#: Per-token payload field through Zephon's packer (``return_source_ids``): int32 ``[n]``, the record's source
+#: index + 1 at every token of the record (its context-parallel padding included). ``pack_flat`` slices it with
+#: the tokens and pads it with 0; ``collate`` turns it into ``SOURCE_IDS``. Never yielded.
+SOURCE_MARKS: Final = "source_marks"
 #: Hugging Face's name for labels already aligned with the logits (its loss does not shift them).
 SHIFT_LABELS: Final = "shift_labels"
 #: Hugging Face's KV-cache switch; ``False`` lets transformers derive the packed mask from positions.
@@ -129,7 +141,8 @@ IMAGE_MEDIA: Final[tuple[str, ...]] = (PIXEL_VALUES, IMAGE_GRID_THW)
 
 
 def yielded_fields(
-    packed_mask_type: str, *, metadata: bool, thd: bool, seq_idx: bool = False, cp: bool = False
+    packed_mask_type: str, *, metadata: bool, thd: bool, seq_idx: bool = False, cp: bool = False,
+    source_ids: bool = False,
 ) -> tuple[str, ...]:
     """Names a yielded batch carries for one contract, in yield order.
 
@@ -143,6 +156,7 @@ def yielded_fields(
         thd: Whether TE THD fields are yielded.
         seq_idx: Whether ``seq_idx`` is yielded.
         cp: Context-parallel layout (``cp_size > 1``): ``cu_seqlens_padded`` after the THD fields.
+        source_ids: Whether ``source_ids`` is yielded (last).
 
     Raises:
         ValueError: On an unknown ``packed_mask_type``.
@@ -160,4 +174,6 @@ def yielded_fields(
         names += (CU_SEQLENS_PADDED,)
     if seq_idx:
         names += (SEQ_IDX,)
+    if source_ids:
+        names += (SOURCE_IDS,)
     return names

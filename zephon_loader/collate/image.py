@@ -22,6 +22,8 @@ key                         dtype      meaning
                                        the padding tail numbered ``0, 1, ...`` on every axis
 ``DOCUMENT_IDS``            int64      1-based record index within the row, 0 at padding
 ``ATTENTION_ELIGIBILITY``   bool       only with ``eligibility``: the processor's, False at padding
+``SOURCE_IDS``              int64      each token's source index, ``-1`` at padding; only when the
+                                       records carry ``SOURCE_MARKS`` (``return_source_ids``)
 ``MM_TOKEN_TYPE_IDS``       int64      1 at image placeholder tokens
 ``N_IMAGES_PER_SAMPLE``     int64      ``[B]`` images per row
 ``PIXEL_VALUES``            float32    ``[patches, D]``: every image's patch rows, row order then
@@ -154,6 +156,10 @@ def collate_images(
         eligible = torch.zeros(rows * length, dtype=torch.bool)
         eligible[flat_index] = torch.from_numpy(gather(F.ATTENTION_ELIGIBILITY, np.bool_))
         out[F.ATTENTION_ELIGIBILITY] = eligible.view(rows, length)
+    if segments and F.SOURCE_MARKS in segments[0]:  # every token is an input token: no shift
+        source_ids = torch.full((rows * length,), F.SOURCE_ID_PADDING, dtype=torch.int64)
+        source_ids[flat_index] = torch.from_numpy(gather(F.SOURCE_MARKS, np.int64) - 1)
+        out[F.SOURCE_IDS] = source_ids.view(rows, length)
 
     # --- images, in row order then position order (segments are in that order) -------------------
     image_counts = np.fromiter((len(s[F.IMAGE_GRID_THW]) for s in segments), dtype=np.int64, count=len(segments))

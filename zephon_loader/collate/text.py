@@ -186,6 +186,9 @@ def _pad_rows(result: dict[str, torch.Tensor], rows: int, pad_token_id: int) -> 
     for name in (F.ATTENTION_ELIGIBILITY, F.CP_PADDING):  # eligibility False, no context-parallel padding
         if name in result:
             out[name] = extend(result[name], torch.zeros(missing, length, dtype=torch.bool))
+    if F.SOURCE_IDS in result:
+        out[F.SOURCE_IDS] = extend(result[F.SOURCE_IDS],
+                                   torch.full((missing, length), F.SOURCE_ID_PADDING, dtype=torch.int64))
     if F.CU_SEQLENS in result:
         cu = result[F.CU_SEQLENS]
         segments = torch.full((missing, cu.shape[1]), length, dtype=cu.dtype)
@@ -224,6 +227,9 @@ def collate(
     ``ATTENTION_ELIGIBILITY``   bool       ``[B, S]`` only when the batch carries it
     ``CP_PADDING``              bool       ``[B, S]`` True at context-parallel padding, only when
                                            the records carry it (``contract.cp_size > 1``)
+    ``SOURCE_IDS``              int64      ``[B, S]`` each input token's source index (its
+                                           record's ``SOURCE_MARKS`` - 1), ``-1`` at padding; only
+                                           when the records carry marks (``return_source_ids``)
     ==========================  =========  ====================================================
 
     Context-parallel padding (records padded before packing, ``fields.CP_PADDING``
@@ -335,13 +341,15 @@ def _collate(zephon_batch: Any, mask_cross_document_labels: bool, eos_mask_loss:
         )
     carry_elig = has_elig and eligibility is not False
     carry_cp = F.CP_PADDING in first
+    carry_source = F.SOURCE_MARKS in first
 
     out = zephon_batch.to_training(
         return_labels=True,
         return_padding_mask=True,
         return_cu_seqlens=physical_cu_seqlens,
         ignore_index=F.IGNORE_INDEX,
-        extra_fields=[F.ATTENTION_ELIGIBILITY] * carry_elig + [F.CP_PADDING] * carry_cp,
+        extra_fields=([F.ATTENTION_ELIGIBILITY] * carry_elig + [F.CP_PADDING] * carry_cp
+                      + [F.SOURCE_MARKS] * carry_source),
         eos_mask_loss=eos_mask_loss,
         eos_token_id=int(eos_token_id) if eos_mask_loss else None,
         exclude_fields=(Z.IDS, Z.TEXTS),
@@ -404,6 +412,13 @@ def _collate(zephon_batch: Any, mask_cross_document_labels: bool, eos_mask_loss:
         target = torch.cat([cp[:, 1:], last_target[:, None]], dim=1)
         result[F.LABELS] = labels.masked_fill(cp | target, F.IGNORE_INDEX)
         result[F.CP_PADDING] = cp
+    if carry_source:
+        # Sliced like input_ids by to_training (tokens [:, :-1]); the packer's padding holds 0.
+        marks = out.get(F.SOURCE_MARKS)
+        if not isinstance(marks, torch.Tensor) or tuple(marks.shape) != shape or marks.dtype.is_floating_point:
+            raise ValueError(_err(f"to_training()[{F.SOURCE_MARKS!r}]", _describe(marks), f"integers of shape {shape}",
+                                  "The source marks must be per-token (the loader's record checks add them)."))
+        result[F.SOURCE_IDS] = marks.to(torch.int64) - 1  # a new tensor: 0 (padding) -> SOURCE_ID_PADDING
     if carry_elig:
         elig = out.get(F.ATTENTION_ELIGIBILITY)
         if not isinstance(elig, torch.Tensor) or tuple(elig.shape) != shape:

@@ -381,6 +381,8 @@ class LoaderConfig:
         contract: The model's contract; ``None`` = AutoModel's default (block-causal).
         xdoc: Cross-document attention inside each row.
         return_packed_sequence_metadata: Also yield the gathered-token bundle.
+        return_source_ids: Also yield ``source_ids``, int64 ``[B, S]``: the mixture source each input token
+            came from (its index in ``sources``; ``-1`` at padding), for per-source loss (README, "Per-source loss").
         mask_cross_document_labels: Mask the label at each subdocument's last
             token (its target is the next document). ``None``: on unless xdoc.
         seed: Zephon mixture/shuffle seed.
@@ -425,6 +427,7 @@ class LoaderConfig:
     contract: ContractConfig | None = None
     xdoc: bool = False
     return_packed_sequence_metadata: bool = False
+    return_source_ids: bool = False
     mask_cross_document_labels: bool | None = None
     seed: int = 0
     shuffle: bool = True

@@ -41,7 +41,9 @@ from zephon_loader.packing import (compact_left, document_lengths, packed_sequen
 #: contract passes through unchanged (e.g. processor outputs like pixel values).
 #: Zephon's physical ``cu_seqlens`` is replaced: AutoModel reads ``cu_seqlens``
 #: as gathered-token offsets, so physical offsets must never reach it.
-_CONSUMED = frozenset({F.DOCUMENT_IDS, F.ATTENTION_DOCUMENT_IDS, F.ATTENTION_ELIGIBILITY, F.CU_SEQLENS, F.CP_PADDING})
+#: ``source_ids`` is yielded only when requested (``FinalizeSettings.source_ids``).
+_CONSUMED = frozenset({F.DOCUMENT_IDS, F.ATTENTION_DOCUMENT_IDS, F.ATTENTION_ELIGIBILITY, F.CU_SEQLENS, F.CP_PADDING,
+                       F.SOURCE_IDS})
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class FinalizeSettings:
         cp_size: ``contract.cp_size``; above 1 the batch's context-parallel padding (``fields.CP_PADDING``)
             is left out of the attention ids (so of ``seq_lens`` and the metadata) and kept in
             ``seq_lens_padded``/``cu_seqlens_padded``; metadata is then always on.
+        source_ids: Yield the batch's ``source_ids`` (``return_source_ids``) as ``collate`` built it: per input
+            token, whatever the contract, xdoc or context-parallel padding (a token's source is its record's).
     """
 
     packing_contract: PackingContract
@@ -72,6 +76,7 @@ class FinalizeSettings:
     xdoc: bool
     seq_idx: bool = False
     cp_size: int = 1
+    source_ids: bool = False
 
     @classmethod
     def from_contract(
@@ -80,6 +85,7 @@ class FinalizeSettings:
         *,
         xdoc: bool = False,
         return_packed_sequence_metadata: bool = False,
+        return_source_ids: bool = False,
         attention_eligibility: bool = False,
         micro_batch_size: int | None = None,
         sequence_length: int | None = None,
@@ -95,10 +101,12 @@ class FinalizeSettings:
             micro_batch_size, sequence_length, block_mask_budget_bytes: As
                 :func:`require_supported_packing_contract`; ``xdoc`` joins
                 each row's subdocuments.
+            return_source_ids: Yield ``source_ids`` (the batches must carry them: the loader's pipeline
+                marks every record's tokens when the config sets ``return_source_ids``).
 
         Raises:
             TypeError/ValueError: As :func:`require_supported_packing_contract`,
-                or ``xdoc`` not a bool.
+                or ``xdoc`` / ``return_source_ids`` not a bool.
         """
         contract = require_supported_packing_contract(
             packing_contract,
@@ -110,6 +118,9 @@ class FinalizeSettings:
         )
         if not isinstance(xdoc, bool):
             raise TypeError(f"xdoc: got {type(xdoc).__name__} {xdoc!r}, expected bool")
+        if not isinstance(return_source_ids, bool):
+            raise TypeError(f"return_source_ids: got {type(return_source_ids).__name__} {return_source_ids!r}, "
+                            "expected bool")
         if xdoc and contract.cp_size > 1:
             raise ValueError(f"xdoc: got True with packing_contract.cp_size {contract.cp_size}, expected False: "
                              "TE's THD + CP attends within each padded document, a joined row is not one")
@@ -122,13 +133,14 @@ class FinalizeSettings:
             xdoc=xdoc,
             seq_idx=contract.seq_idx,
             cp_size=contract.cp_size,
+            source_ids=return_source_ids,
         )
 
     @property
     def yielded_fields(self) -> tuple[str, ...]:
         """Names every yielded batch carries (``_packed_seq_ids`` only listed when always present)."""
         return F.yielded_fields(self.packed_mask_type, metadata=self.metadata, thd=self.thd, seq_idx=self.seq_idx,
-                                cp=self.cp_size > 1)
+                                cp=self.cp_size > 1, source_ids=self.source_ids)
 
 
 def block_causal_mask(ids: torch.Tensor) -> torch.Tensor:
@@ -388,7 +400,33 @@ def finalize_batch(batch: Mapping[str, Any], settings: FinalizeSettings) -> dict
             :func:`finalize_collated`.
     """
     check_training_batch(batch, batch.get(F.ATTENTION_ELIGIBILITY))
+    if settings.source_ids:
+        check_source_ids(batch)
     return finalize_collated(batch, settings, _validated=False)
+
+
+def check_source_ids(batch: Mapping[str, Any]) -> None:
+    """A caller's ``source_ids`` (:func:`finalize_batch`): int64 ``[B, S]`` like ``input_ids``, ``>= 0`` at every
+    token and ``-1`` at trailing padding (what ``collate`` builds for the loader).
+
+    Raises:
+        ValueError: Missing, another dtype or shape, or a value that is not a source index or the padding's.
+    """
+    source_ids = batch.get(F.SOURCE_IDS)
+    shape = tuple(batch[F.INPUT_IDS].shape)
+    if not isinstance(source_ids, torch.Tensor) or source_ids.dtype != torch.int64 or tuple(source_ids.shape) != shape:
+        seen = (type(source_ids).__name__ if not isinstance(source_ids, torch.Tensor)
+                else f"{source_ids.dtype} {tuple(source_ids.shape)}")
+        raise ValueError(f"{F.SOURCE_IDS}: got {seen} with return_source_ids, expected int64 {shape} like "
+                         f"{F.INPUT_IDS} (each input token's source index, {F.SOURCE_ID_PADDING} at padding)")
+    padding = batch[F.PADDING_MASK]
+    wrong = (source_ids < 0) != padding
+    wrong |= padding & (source_ids != F.SOURCE_ID_PADDING)
+    if bool(wrong.any()):
+        b, s = (int(i) for i in torch.nonzero(wrong)[0])
+        raise ValueError(f"{F.SOURCE_IDS}: row {b}, column {s}: got {int(source_ids[b, s])} where "
+                         f"{F.PADDING_MASK} is {bool(padding[b, s])}, expected a source index >= 0 at every token "
+                         f"and {F.SOURCE_ID_PADDING} exactly at padding")
 
 
 def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _validated: bool = True) -> dict[str, Any]:
@@ -468,6 +506,15 @@ def finalize_collated(batch: Mapping[str, Any], settings: FinalizeSettings, *, _
         # Document membership, not attention: an ineligible token stays in its document's recurrence.
         document_ids = work[F.DOCUMENT_IDS]
         out[F.SEQ_IDX] = sequence_index(document_ids.bool() if settings.xdoc else document_ids)
+    if settings.source_ids:
+        # Per input token, built by collate (the record's source): no contract, xdoc or padding changes it.
+        source_ids = work.get(F.SOURCE_IDS)
+        if source_ids is None:
+            raise ValueError(
+                f"{F.SOURCE_IDS}: missing from the batch with return_source_ids, expected int64 [B, S] (what collate "
+                f"builds from the records' {F.SOURCE_MARKS!r} field, added by the loader's pipeline when the config "
+                "sets return_source_ids); build the loader from that config, or unset return_source_ids")
+        out[F.SOURCE_IDS] = source_ids
     if settings.metadata or high > 1:
         out[F.PACKED_SEQ_IDS] = ids
     for name, value in work.items():

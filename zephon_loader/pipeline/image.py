@@ -94,6 +94,7 @@ def build_image_pipeline(
         row_capacity=config.sequence_length,
         max_record_tokens=config.max_record_tokens,
         log=drop_log,
+        source_marks=config.return_source_ids,
     )
     # Records reach the operator in micro-batches as large as a work chunk; cutting them into calls of
     # PROCESS_CALL_RECORDS lets the processor_parallelism workers share a chunk (count-only: deterministic).

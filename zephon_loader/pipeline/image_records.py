@@ -40,7 +40,7 @@ from zephon_loader.pipeline.object_store import is_url
 from zephon_loader.processors.base import ImageTextRecord, ProcessedRecord, check_processed
 from zephon_loader.processors.rope import qwen2_vl_positions
 from zephon_loader.pipeline.provenance import DropLog, ShardTable
-from zephon_loader.pipeline.records import LONGER_THAN_ROW, Problem, RecordOperator, describe
+from zephon_loader.pipeline.records import LONGER_THAN_ROW, Problem, RecordOperator, describe, source_marks
 from zephon_loader.zephon_compat import ZephonKeys
 
 __all__ = ["IMAGE_REASONS", "PAYLOAD_FIELDS", "ProcessImageRecords", "RecordFormat", "decode_image", "describe_entry"]
@@ -140,13 +140,16 @@ class ProcessImageRecords(RecordOperator):
         row_capacity: Tokens per row (``S``).
         max_record_tokens: Larger records are bad records (``None``: no limit).
         log: Drop events (read by ``loader.stats()``).
+        source_marks: Give every kept record ``fields.SOURCE_MARKS``
+            (:func:`~zephon_loader.pipeline.records.source_marks`; ``return_source_ids``).
     """
 
     records_name = "image-text records"
     describe = staticmethod(describe_entry)
 
     def __init__(self, *, processor: Any, record_format: RecordFormat, shards: ShardTable, policy: str,
-                 oversized: str, row_capacity: int, max_record_tokens: int | None, log: DropLog) -> None:
+                 oversized: str, row_capacity: int, max_record_tokens: int | None, log: DropLog,
+                 source_marks: bool = False) -> None:
         super().__init__(shards=shards, policy=policy, log=log, oversized=oversized)
         self.processor = processor
         self.format = record_format
@@ -154,6 +157,7 @@ class ProcessImageRecords(RecordOperator):
         self.max_record_tokens = max_record_tokens
         self.owner = type(processor).__name__
         self.eligibility = bool(processor.attention_eligibility)
+        self.source_marks = source_marks
 
     def process(self, raw: Any, sample_id: Any) -> tuple[dict[str, Any] | None, Problem | None]:
         """One record: ``(payload, None)``, or ``(partial payload or None, problem)``."""
@@ -171,6 +175,8 @@ class ProcessImageRecords(RecordOperator):
         except (TypeError, ValueError) as error:
             raise type(error)(f"{self.shards.where(sample_id)}: {error}") from error
         n = int(processed.input_ids.shape[0])
+        if self.source_marks:
+            payload[F.SOURCE_MARKS] = source_marks(sample_id, n)
         if self.max_record_tokens is not None and n > self.max_record_tokens:
             return payload, ("too_many_tokens", "<record>", f"{n} tokens", f"at most max_record_tokens="
                              f"{self.max_record_tokens}", "Shorten the record, or raise max_record_tokens.")

@@ -64,6 +64,7 @@ __all__ = [
     "VALIDATION_KEY",
     "describe",
     "missing_field",
+    "source_marks",
     "utf8_size",
 ]
 
@@ -368,12 +369,14 @@ class CheckTokens(RecordOperator):
             to another row, as any record does). ``row_capacity`` is then ``S``: a record of ``S + 1`` tokens
             would span ``S + 2 * cp_size``.
         pad_token_id: The pad id (with ``cp_multiple``).
+        source_marks: Give every kept record ``fields.SOURCE_MARKS`` (:func:`source_marks`, its padding included),
+            which Zephon's packer slices with the tokens (``return_source_ids``).
         **kwargs: ``shards``, ``policy``, ``log`` (:class:`RecordOperator`).
     """
 
     def __init__(self, *, tokens_field: str, vocab_size: int | None, max_record_tokens: int | None,
                  row_capacity: int | None, eligibility_field: str | None = None, loss_mask_field: str | None = None,
-                 cp_multiple: int = 0, pad_token_id: int = 0, **kwargs: Any) -> None:
+                 cp_multiple: int = 0, pad_token_id: int = 0, source_marks: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tokens_field = tokens_field
         self.vocab_size = vocab_size
@@ -383,6 +386,7 @@ class CheckTokens(RecordOperator):
         self.loss_mask_field = loss_mask_field
         self.cp_multiple = cp_multiple
         self.pad_token_id = pad_token_id
+        self.source_marks = source_marks
 
     def process(self, payload: Any, sample_id: Any) -> tuple[Any, Problem | None]:
         """The kept fields as numpy arrays, with the problem of a record that is too long (or ``(None, problem)``)."""
@@ -428,6 +432,8 @@ class CheckTokens(RecordOperator):
             return out, (LONGER_THAN_ROW, field, f"{n} tokens", f"at most {self.row_capacity} (one row)", fix)
         if self.cp_multiple:
             out = self._cp_padded(out, n)
+        if self.source_marks:
+            out[F.SOURCE_MARKS] = source_marks(sample_id, len(out[ZEPHON_TOKENS_KEY]))
         return out, None
 
     def _cp_padded(self, out: dict[str, Any], n: int) -> dict[str, Any]:
@@ -447,6 +453,19 @@ class CheckTokens(RecordOperator):
             if name is not None:
                 payload[name] = [1, 1, 1]
         return payload
+
+
+def source_marks(sample_id: Any, n: int) -> np.ndarray:
+    """``fields.SOURCE_MARKS`` of a record of ``n`` tokens: int32 ``[n]``, its source index + 1 everywhere.
+
+    The source index is the dataset of Zephon's ``sample_id = (dataset, shard, index)``: the work source lists
+    the datasets in the order of ``sources`` (the index :class:`~zephon_loader.pipeline.provenance.ShardTable`
+    names a record's source by). Zephon's packer keeps only per-row totals per mixture component
+    (``component_sample_counts``/``component_token_counts``) and, per piece, the record's cursor, not its length
+    in the row; a per-token field is sliced with the tokens by every packing algorithm (a piece of a wrapped
+    record keeps its marks) and padded with 0, so ``collate`` reads each input token's source exactly.
+    """
+    return np.full(n, int(sample_id[0]) + 1, dtype=np.int32)
 
 
 def utf8_size(field: str, text: str) -> tuple[int, Problem | None]:

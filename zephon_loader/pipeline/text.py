@@ -347,7 +347,7 @@ def _check_tokens(
         max_record_tokens=config.max_record_tokens,
         row_capacity=capacity if config.packing.algorithm in _BINNED else None,
         eligibility_field=config.eligibility_field, loss_mask_field=loss_mask_field,
-        cp_multiple=cp_multiple, pad_token_id=pad_token_id, **checks)
+        cp_multiple=cp_multiple, pad_token_id=pad_token_id, source_marks=config.return_source_ids, **checks)
     # After a Ray tokenize stage the checks run on the trainer's threads again (see tokenize_placement).
     after = "local" if tokenize_placement(config) == "remote" else "auto"
     return pipeline.add_op("zephon_loader.check_tokens", process_many=check,
