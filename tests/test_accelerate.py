@@ -130,3 +130,21 @@ def test_skip_first_batches_is_refused_with_the_fix():
         checkpoint_loaders(accelerator, loader)
         with pytest.raises(AttributeError, match=r"skip_first_batches.*resumes itself.*drop that call"):
             accelerator.skip_first_batches(loader, 3)
+
+
+def test_a_loader_dealt_to_more_ranks_than_the_accelerators_processes_is_refused(tmp_path):
+    """Under torchrun on a CPU machine a plain Accelerator() runs one process, while the loader takes torchrun's
+    WORLD_SIZE: each process would train its own model on half the data."""
+    from accelerate import Accelerator
+
+    from lightning_worker import demo_config
+    from zephon_loader import build_text_loader
+    from zephon_loader.accelerate import checkpoint_loaders
+
+    accelerator = Accelerator(cpu=True)
+    config = demo_config(distributed={"aggregate_dir": str(tmp_path)})
+    with build_text_loader(config, dp_rank=0, dp_world_size=2) as loader:
+        checkpoint_loaders(accelerator, loader)
+        with pytest.raises(ValueError, match=r"dp_world_size: got 2, expected a divisor of the Accelerator's 1 "
+                                             r"process.*Accelerator\(cpu=True\)"):
+            iter(loader)

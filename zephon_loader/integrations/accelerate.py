@@ -32,6 +32,9 @@ state is the job's). What the loader checks when it is iterated under an
   each process would still read ``micro_batch_size`` rows of its own lane.
 * A loader neither hooked nor registered gets one warning: ``save_state``
   would not save its position, and ``load_state`` would restart it.
+* A loader built for another number of data-parallel ranks than the
+  Accelerator's processes (torchrun's ``WORLD_SIZE`` while a CPU
+  ``Accelerator()`` runs one process) is refused.
 * ``accelerator.skip_first_batches(loader, n)`` is refused with the fix
   (``AttributeError`` naming it): the loader resumes itself; skipping again
   would skip twice.
@@ -119,6 +122,7 @@ def check_under_accelerator(loader: ZephonLoader) -> None:
     if accelerator is None:
         return
     _check_batch_settings(accelerator)
+    _check_processes(accelerator, loader)
     if loader in checkpointed or loader in _warned or any(obj is loader for obj in getattr(accelerator, "_custom_objects", [])):
         return
     _warned.add(loader)
@@ -129,6 +133,21 @@ def check_under_accelerator(loader: ZephonLoader) -> None:
         "loader) once after prepare()",
         RuntimeWarning, stacklevel=4,
     )
+
+
+def _check_processes(accelerator: Any, loader: ZephonLoader) -> None:
+    """The loader's data-parallel ranks must be the accelerator's processes (or divide them: model-parallel peers
+    read the same lanes)."""
+    processes = getattr(accelerator, "num_processes", None)
+    ranks = loader.dp_world_size
+    if isinstance(processes, int) and processes > 0 and processes % ranks:
+        raise ValueError(
+            f"ZephonLoader dp_world_size: got {ranks}, expected a divisor of the Accelerator's {processes} "
+            f"process(es): the loader deals the data to {ranks} ranks (torchrun's WORLD_SIZE, or dp_world_size=), "
+            "so the processes would each train a model of their own on part of the data. Under torchrun on a "
+            "CPU machine make the Accelerator use the processes (Accelerator(cpu=True), or ACCELERATE_USE_CPU=1); "
+            "or build the loader for the processes the Accelerator runs"
+        )
 
 
 def _check_batch_settings(accelerator: Any) -> None:
