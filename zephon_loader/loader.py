@@ -462,7 +462,7 @@ class ZephonLoader:
         """Which documents each row of a yielded batch holds (``None``: the batch ``next()`` returned last).
 
         Returns ``{"step", "epoch", "lane", "rank", "world", "rows": [[piece, ...], ...]}``, one list per row
-        (in row order), each piece ``{"source", "shard" (file or URL), "line" (JSONL, 1-based) or "row"
+        (in row order; a row of padding only has none), each piece ``{"source", "shard" (file or URL), "line" (JSONL, 1-based) or "row"
         (Parquet and other formats, 0-based), "record" (Zephon's index in the shard), "start", "end"
         (columns of ``input_ids``, end exclusive), "tokens", "ends_document"}``
         (:func:`~zephon_loader.pipeline.provenance.describe_rows`). ``step``: this rank's step of the pass
@@ -479,8 +479,7 @@ class ZephonLoader:
                     if raw is None:
                         raise ValueError("provenance: this batch's collate kept no provenance")
                     return {"step": step, "epoch": epoch, "lane": lane, "rank": self.dp_rank,
-                            "world": self.dp_world_size, "rows": describe_rows(raw, self._source._shards,
-                                                                              self._sequence_length())}
+                            "world": self.dp_world_size, "rows": self._rows_of(raw)}
         raise ValueError(
             "provenance: " + ("no batch was yielded yet" if batch is None else
                               f"got a batch that is not one of the last {self.TRACED_BATCHES} this loader yielded")
@@ -520,7 +519,6 @@ class ZephonLoader:
                     f"provenance_of_steps: step {first} comes before the state's step {step} (the state resumes "
                     f"there), expected steps >= {step}; pass an earlier state, or none to read from the start of "
                     "the pass")
-            table, length = self._source._shards, self._sequence_length()
             self._park()
             self._source.reset(self._source_state(pending) if pending is not None else None)
             found = []
@@ -534,7 +532,7 @@ class ZephonLoader:
                     epoch, lane = self._source.batch_key(raw)
                     found.append({"step": step, "epoch": epoch, "lane": lane, "rank": self.dp_rank,
                                   "world": self.dp_world_size, "skipped_steps": copy.deepcopy(skipped),
-                                  "rows": describe_rows(raw_provenance(raw), table, length)})
+                                  "rows": self._rows_of(raw_provenance(raw))})
                 step += 1
             return found
 
@@ -625,8 +623,11 @@ class ZephonLoader:
         self._started = False
         self._read_ahead.close()
 
-    def _sequence_length(self) -> int:
-        return int(self.fingerprint.get("sequence_length") or self.settings.sequence_length)
+    def _rows_of(self, raw: Any) -> list[list[dict[str, Any]]]:
+        """:func:`describe_rows` of a batch, padded with empty rows to ``B`` (Zephon's short last batch of a
+        flush: collate fills the missing rows with padding, which holds no piece)."""
+        rows = describe_rows(raw, self._source._shards, int(self.fingerprint["sequence_length"]))
+        return rows + [[] for _ in range(max(0, (self.batch_size or 0) - len(rows)))]
 
     @staticmethod
     def _source_state(pending: LoaderState) -> dict[str, Any]:
