@@ -573,22 +573,20 @@ class ZephonLoader:
             else:
                 self._stats.reset()
                 self._source.reset(None)
-            from_step = self._stats.steps
-            anchor, since, pulled = self._source.position(), {}, 0
+            from_step, pulled = self._stats.steps, 0
             while pulled < n:
-                if self._source.anchor_due:  # the next batch begins a schedule's phase: anchored in it
-                    anchor, since = self._source.position(), {}
                 try:
                     raw = next(self._source)
                 except StopIteration:
                     break
-                key = self._source.batch_key(raw)
-                since[key] = since.get(key, 0) + 1
-                self._stats.add_skipped(key[1], batch_source_counts(raw))
+                self._stats.add_skipped(self._source.batch_key(raw)[1], batch_source_counts(raw))
                 pulled += 1
             self._stats.record_skip(from_step, pulled)
             value = {"stats": self._stats.round_value(), "pulled": pulled}
-            source_state, merged = self._source.state_at(anchor, since, (STATS_ROUND_KEY, value, _merge_skip_round))
+            # Nothing was pulled ahead: the position now is the one before the next batch (a resume of the state
+            # does not read the skipped batches again).
+            source_state, merged = self._source.state_at(self._source.position(), None,
+                                                         (STATS_ROUND_KEY, value, _merge_skip_round))
             if min(merged["pulled"]) < n:
                 if pending is not None:
                     self._stats.load_state_dict(pending.stats)
