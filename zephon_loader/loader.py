@@ -36,7 +36,7 @@ from zephon_loader.nodes.agreement import PassAgreement, loader_identity
 from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
-from zephon_loader.pipeline.provenance import PROVENANCE_KEY, describe_rows, raw_provenance
+from zephon_loader.pipeline.provenance import describe_rows, raw_provenance
 from zephon_loader.state import STATE_FORMAT, LoaderState
 from zephon_loader.stats import LoaderStats, batch_source_counts
 
@@ -324,8 +324,8 @@ class ZephonLoader:
             step = self._stats.steps - 1 if self._stats is not None else self._pass_delivered - 1
             raw = self._read_ahead.last_raw
             tensor = _first_tensor(batch)
-            if tensor is not None and isinstance(raw, Mapping):
-                self._traced.append((weakref.ref(tensor), raw.get(PROVENANCE_KEY), step, epoch, lane))
+            if tensor is not None:
+                self._traced.append((weakref.ref(tensor), getattr(raw, "provenance", None), step, epoch, lane))
             return batch
 
     def _agree(self) -> None:
@@ -449,8 +449,7 @@ class ZephonLoader:
             except StopIteration as error:
                 raise RuntimeError("preview: the Zephon pipeline yielded no batch") from error
             batch = dict(self._collate_fn(raw))
-            batch.pop(F.SOURCE_COUNTS, None)
-            batch.pop(PROVENANCE_KEY, None)  # accounting of delivered batches, not part of a preview
+            batch.pop(F.SOURCE_COUNTS, None)  # accounting of delivered batches, not part of a preview
             adapt_model_inputs(batch, batch.get(F.ATTENTION_ELIGIBILITY))
             if self.settings.xdoc:
                 join_subdocuments(batch)
@@ -882,17 +881,24 @@ class _Pass(Iterator[dict[str, Any]]):
         return self._loader._next(self._generation)
 
 
+class _Collated(dict):
+    """A collated batch (what the read-ahead keeps of a pulled batch) that also holds, as an attribute, its
+    rows' raw provenance: the final map gets a plain ``dict`` copy, so it never reaches a yielded batch."""
+
+    provenance: Any = None
+
+
 class _TracedCollate:
-    """The loader's collate plus, under :data:`~zephon_loader.pipeline.provenance.PROVENANCE_KEY`, references to
-    what Zephon's batch carries of each row's records (no copy: the final map leaves the key out, and
-    :meth:`ZephonLoader.provenance` reads it only when asked)."""
+    """The loader's collate plus references to what Zephon's batch carries of each row's records
+    (:func:`~zephon_loader.pipeline.provenance.raw_provenance`: no copy, no work;
+    :meth:`ZephonLoader.provenance` reads them only when asked)."""
 
     def __init__(self, collate_fn: Callable[[Any], dict[str, Any]]) -> None:
         self.collate_fn = collate_fn
 
     def __call__(self, sample_batch: Any) -> dict[str, Any]:
-        out = self.collate_fn(sample_batch)
-        out[PROVENANCE_KEY] = raw_provenance(sample_batch)
+        out = _Collated(self.collate_fn(sample_batch))
+        out.provenance = raw_provenance(sample_batch)
         return out
 
 

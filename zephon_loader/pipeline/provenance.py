@@ -23,7 +23,7 @@ from typing import Any
 
 from zephon_loader.errors import BadRecordError
 
-__all__ = ["PROVENANCE_KEY", "DropLog", "ShardTable", "SourceShards", "describe_rows", "row_pieces"]
+__all__ = ["DropLog", "ShardTable", "SourceShards", "describe_rows", "raw_provenance", "row_pieces"]
 
 
 # ----------------------------------------------------------------------------- where a record is
@@ -197,11 +197,6 @@ def _line_index(file: str) -> list[int] | None:
 
 
 # ----------------------------------------------------------------------------- what a row holds
-
-#: Key under which the loader's collate keeps each batch's raw provenance (:func:`raw_provenance`); it never
-#: reaches the yielded batch (the final map builds a new dict).
-PROVENANCE_KEY = "_provenance"
-
 
 def raw_provenance(sample_batch: Any) -> list[tuple[Any, Any, int]]:
     """What :func:`row_pieces` needs of each row of a ``SampleBatch``, by reference (no copy, no work):
