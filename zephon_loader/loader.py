@@ -24,6 +24,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections import deque
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -35,8 +36,9 @@ from zephon_loader.nodes.agreement import PassAgreement, loader_identity
 from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
+from zephon_loader.pipeline.provenance import describe_rows, raw_provenance
 from zephon_loader.state import STATE_FORMAT, LoaderState
-from zephon_loader.stats import LoaderStats
+from zephon_loader.stats import LoaderStats, batch_source_counts
 
 __all__ = ["STATE_FORMAT", "EpochHook", "ImageLoader", "ZephonLoader"]
 
@@ -159,7 +161,10 @@ class ZephonLoader:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         final_map = FinalMap(settings, collate_wrapper, pin_memory=bool(pin_memory))
-        self._read_ahead = ReadAhead(source, read_ahead, final_map, collate=collate_fn, retain=self.RETAINED_BATCHES)
+        self._read_ahead = ReadAhead(source, read_ahead, final_map, collate=_TracedCollate(collate_fn),
+                                     retain=self.RETAINED_BATCHES)
+        #: The last yielded batches' provenance: ``(weakref to the batch's first tensor, raw, step, epoch, lane)``.
+        self._traced: deque[tuple[Any, Any, int, int, int]] = deque(maxlen=self.TRACED_BATCHES)
         self._lanes = Lanes(source.pipeline)
         if stats is not None:  # a rank reports the lanes it owns (all of them, after an elastic resume too)
             stats.owned_lanes = self._lanes.owned_lanes()
@@ -188,6 +193,8 @@ class ZephonLoader:
 
     #: Delivered batches kept (collated) so that a state can be taken as of that many batches back.
     RETAINED_BATCHES = 1
+    #: Yielded batches whose provenance :meth:`provenance` can still tell (the newest last).
+    TRACED_BATCHES = 8
 
     def __len__(self) -> int:
         raise TypeError(
@@ -263,14 +270,7 @@ class ZephonLoader:
                 self._source.set_carry(self._pass_carry)
             self._read_ahead.reset(None)
         else:
-            source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip,
-                            ZephonSource.CARRIED_KEY: pending.carried, ZephonSource.CARRY_KEY: pending.carry}
-            if pending.epoch:
-                source_state[ZephonSource.EPOCH_KEY] = pending.epoch
-            if pending.phase is not None:
-                source_state[ZephonSource.PHASE_KEY] = pending.phase["index"]
-                source_state[ZephonSource.PHASE_BATCHES_KEY] = pending.phase["batches"]
-            self._read_ahead.reset({ReadAhead.SOURCE_KEY: source_state})
+            self._read_ahead.reset({ReadAhead.SOURCE_KEY: self._source_state(pending)})
         if self._agreement is not None:
             self._agreement.begin_pass(fresh=not resume, epoch=self._source.epoch)
         self._exhausted = self._epoch_chosen = False
@@ -320,9 +320,14 @@ class ZephonLoader:
                 raise
             self._pass_delivered += 1
             counts = batch.pop(F.SOURCE_COUNTS, None)
+            epoch, lane = self._read_ahead.last_key or (self._source.epoch, -1)
             if self._stats is not None and counts is not None:
-                epoch = self._read_ahead.last_key[0] if self._read_ahead.last_key else self._source.epoch
                 self._stats.add_delivered(counts, carried=epoch != self._source.epoch)
+            step = self._stats.steps - 1 if self._stats is not None else self._pass_delivered - 1
+            raw = self._read_ahead.last_raw
+            tensor = _first_tensor(batch)
+            if tensor is not None:
+                self._traced.append((weakref.ref(tensor), getattr(raw, "provenance", None), step, epoch, lane))
             return batch
 
     def _agree(self) -> None:
@@ -459,6 +464,188 @@ class ZephonLoader:
             self._source.reset(None)
             return batch
 
+    # -- provenance and skipping ---------------------------------------------------------
+    def provenance(self, batch: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Which documents each row of a yielded batch holds (``None``: the batch ``next()`` returned last).
+
+        Returns ``{"step", "epoch", "lane", "rank", "world", "rows": [[piece, ...], ...]}``, one list per row
+        (in row order; a row of padding only has none), each piece ``{"source", "shard" (file or URL), "line" (JSONL, 1-based) or "row"
+        (Parquet and other formats, 0-based), "record" (Zephon's index in the shard), "start", "end"
+        (columns of ``input_ids``, end exclusive), "tokens", "ends_document"}``
+        (:func:`~zephon_loader.pipeline.provenance.describe_rows`). ``step``: this rank's step of the pass
+        (0-based; skipped steps count). Costs nothing per batch: the loader keeps references to what Zephon
+        already carries, and the lines are looked up (once per shard) only here.
+
+        Raises:
+            ValueError: ``batch`` is not one of the last :attr:`TRACED_BATCHES` batches this loader yielded.
+        """
+        with self._state_lock:
+            wanted = _first_tensor(batch) if batch is not None else None
+            for ref, raw, step, epoch, lane in reversed(self._traced):
+                if batch is None or (wanted is not None and ref() is wanted):
+                    if raw is None:
+                        raise ValueError("provenance: this batch's collate kept no provenance")
+                    return {"step": step, "epoch": epoch, "lane": lane, "rank": self.dp_rank,
+                            "world": self.dp_world_size, "rows": self._rows_of(raw)}
+        raise ValueError(
+            "provenance: " + ("no batch was yielded yet" if batch is None else
+                              f"got a batch that is not one of the last {self.TRACED_BATCHES} this loader yielded")
+            + "; call provenance(batch) soon after next() returned it, or loader.provenance_of_steps(first, last) "
+            "(zephon-loader show) for any step")
+
+    def provenance_of_steps(self, first: int, last: int | None = None) -> list[dict[str, Any]]:
+        """The provenance (as :meth:`provenance`) of steps ``first .. last`` of the pass, without training.
+
+        Call it before iterating: on a fresh loader (steps count from the start of the pass), or after
+        :meth:`load_state_dict` (it reads from the state's position, never from the start of the run: the
+        steps before the state are not read again; ``first`` must be at or after the state's step). It reads
+        and packs the batches from there to ``last`` (no collate, no final map) and leaves the loader where it
+        was: the next ``iter()`` starts (or resumes) as it would have. Not a collective: one rank's steps.
+
+        Raises:
+            ValueError: Bad steps, a step before the state's, a pass that ends before ``last``, a state of an
+                ended pass or without accounting.
+            RuntimeError: The loader has begun a pass (its position is no longer a state it can read from).
+        """
+        last = first if last is None else last
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in (first, last)) or not 0 <= first <= last:
+            raise ValueError(f"provenance_of_steps: got steps {first!r}..{last!r}, expected ints 0 <= first <= last")
+        with self._consume_lock, self._state_lock:
+            self._check_open()
+            pending = self._pending
+            if pending is None and self._started:
+                raise RuntimeError(
+                    "provenance_of_steps: this loader has begun a pass; call it on a fresh loader or after "
+                    "load_state_dict (or use provenance(batch) for the batches it yields)")
+            step = 0
+            skipped: list[dict[str, int]] = []
+            if pending is not None:
+                step, skipped = self._steps_of(pending, "provenance_of_steps")
+            if first < step:
+                raise ValueError(
+                    f"provenance_of_steps: step {first} comes before the state's step {step} (the state resumes "
+                    f"there), expected steps >= {step}; pass an earlier state, or none to read from the start of "
+                    "the pass")
+            self._park()
+            self._source.reset(self._source_state(pending) if pending is not None else None)
+            found = []
+            while step <= last:
+                try:
+                    raw = next(self._source)
+                except StopIteration:
+                    raise ValueError(f"provenance_of_steps: this rank's pass ends after step {step - 1}, expected "
+                                     f"steps up to {last}") from None
+                if step >= first:
+                    epoch, lane = self._source.batch_key(raw)
+                    found.append({"step": step, "epoch": epoch, "lane": lane, "rank": self.dp_rank,
+                                  "world": self.dp_world_size, "skipped_steps": copy.deepcopy(skipped),
+                                  "rows": self._rows_of(raw_provenance(raw))})
+                step += 1
+            return found
+
+    def skip_batches(self, n: int) -> None:
+        """Skip the next ``n`` steps: every rank resumes ``n`` of its batches later (a loss spike's range).
+
+        Call it after :meth:`load_state_dict` (or on a fresh loader, or between passes of a live one: then
+        from :meth:`state_dict`, a collective) and before ``iter()``. On each rank it reads and packs its next
+        ``n`` batches (Zephon's work for them; no collate, no final map, nothing before them read again),
+        then takes the state there (a collective: every rank calls it with the same ``n``). Nothing else of
+        the stream changes: the batches after them are the ones an uninterrupted run yields there. They are
+        counted in :meth:`stats` (``skipped_batches``, ``sources[name]["skipped"]``, ``skipped_steps``) and
+        recorded in the state (:meth:`state_dict` returns it until ``iter()``), so a later resume and
+        :meth:`provenance_of_steps` (``zephon-loader show``) know them. ``n`` steps are ``n`` batches on each
+        rank of this DP size (at another DP size than the state was saved at: that size's steps).
+
+        Raises:
+            ValueError: ``n`` not an int >= 1; a state whose pass ended; a rank whose pass ends before ``n``
+                batches (the loader is left as it was).
+            RuntimeError: The loader has no accounting (``stats=None``): it could not record the skip.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"skip_batches: got {n!r}, expected an int >= 1 (the steps to skip)")
+        with self._consume_lock, self._state_lock:
+            self._check_open()
+            if self._stats is None:
+                raise RuntimeError("skip_batches: this loader was built without accounting (stats=None), so it "
+                                   "could not record the skip in its state; build it with accounting")
+            pending = self._pending
+            if pending is None and self._started:  # a live loader: from where the training loop is
+                pending = self._loaded(self.state_dict())
+            if pending is not None:
+                self._steps_of(pending, "skip_batches")  # refuses an ended pass
+            self._park()
+            if pending is not None:
+                self._stats.load_state_dict(pending.stats)
+                self._source.reset(self._source_state(pending))
+            else:
+                self._stats.reset()
+                self._source.reset(None)
+            from_step, pulled = self._stats.steps, 0
+            while pulled < n:
+                try:
+                    raw = next(self._source)
+                except StopIteration:
+                    break
+                self._stats.add_skipped(self._source.batch_key(raw)[1], batch_source_counts(raw))
+                pulled += 1
+            self._stats.record_skip(from_step, pulled)
+            value = {"stats": self._stats.round_value(), "pulled": pulled}
+            # Nothing was pulled ahead: the position now is the one before the next batch (a resume of the state
+            # does not read the skipped batches again).
+            source_state, merged = self._source.state_at(self._source.position(), None,
+                                                         (STATS_ROUND_KEY, value, _merge_skip_round))
+            if min(merged["pulled"]) < n:
+                if pending is not None:
+                    self._stats.load_state_dict(pending.stats)
+                else:
+                    self._stats.reset()
+                raise ValueError(
+                    f"skip_batches: got {n}, expected at most the batches left in the pass: a rank's pass ended "
+                    f"after {min(merged['pulled'])} (ranks read {merged['pulled']}); the loader is left at the "
+                    "state it had; skip fewer, or start the next epoch")
+            self._pending = self._state_of(source_state, merged["stats"], pass_ended=False, carry=None)
+
+    def _steps_of(self, pending: LoaderState, what: str) -> tuple[int, list[dict[str, int]]]:
+        """The step a loaded state resumes at and the ranges it skipped (from its accounting)."""
+        if pending.pass_ended:
+            raise ValueError(f"{what}: the loaded state's pass (epoch {pending.epoch}) ended, expected a state "
+                             "inside a pass; iterate into the next epoch, then take a state there")
+        if pending.stats is None:
+            raise ValueError(f"{what}: the loaded state carries no accounting (saved by a loader built with "
+                             "stats=None), so its step is not known; use a state saved with accounting")
+        return LoaderStats.steps_of(pending.stats)
+
+    def _loaded(self, state: Mapping[str, Any]) -> LoaderState:
+        return LoaderState.from_dict(
+            state, fingerprint=self.fingerprint, canonical_replicas=self._lanes.canonical_replicas,
+            check_checkpoint=lambda checkpoint: self._source.validate_state({ZephonSource.STATE_KEY: checkpoint}),
+            stats=self._stats)
+
+    def _park(self) -> None:
+        """Stop the read-ahead and make live iterators stale: the source is used from this thread now; the next
+        ``iter()`` starts or resumes the pass anew."""
+        self._generation += 1
+        self._started = False
+        self._read_ahead.close()
+
+    def _rows_of(self, raw: Any) -> list[list[dict[str, Any]]]:
+        """:func:`describe_rows` of a batch, padded with empty rows to ``B`` (Zephon's short last batch of a
+        flush: collate fills the missing rows with padding, which holds no piece)."""
+        rows = describe_rows(raw, self._source._shards, int(self.fingerprint["sequence_length"]))
+        return rows + [[] for _ in range(max(0, (self.batch_size or 0) - len(rows)))]
+
+    @staticmethod
+    def _source_state(pending: LoaderState) -> dict[str, Any]:
+        """What :meth:`ZephonSource.reset` takes to resume ``pending``."""
+        source_state = {ZephonSource.STATE_KEY: pending.zephon_checkpoint, ZephonSource.SKIP_KEY: pending.skip,
+                        ZephonSource.CARRIED_KEY: pending.carried, ZephonSource.CARRY_KEY: pending.carry}
+        if pending.epoch:
+            source_state[ZephonSource.EPOCH_KEY] = pending.epoch
+        if pending.phase is not None:
+            source_state[ZephonSource.PHASE_KEY] = pending.phase["index"]
+            source_state[ZephonSource.PHASE_BATCHES_KEY] = pending.phase["batches"]
+        return source_state
+
     # -- state --------------------------------------------------------------------------
     def set_consumed(self, count: int) -> None:
         """Say that the training loop has taken ``count`` batches of the current pass (a trainer hook).
@@ -527,24 +714,30 @@ class ZephonLoader:
                 extra = (STATS_ROUND_KEY, self._stats.round_value([c for c in counts if c]), LoaderStats.merge)
             source_state, stats = self._source.state_at(anchor, skip, extra)
             pass_ended = self._exhausted and lag == 0
-            fingerprint = copy.deepcopy(self.fingerprint)
-            phase = None
-            if ZephonSource.PHASE_KEY in source_state:  # a mixture schedule: its phases up to the current one
-                index = int(source_state[ZephonSource.PHASE_KEY])
-                phase = {"index": index, "batches": source_state.get(ZephonSource.PHASE_BATCHES_KEY, {})}
-                fingerprint["schedule"] = fingerprint["schedule"][:index + 1]
-            return LoaderState(
-                fingerprint=fingerprint,
-                epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
-                pass_ended=pass_ended,
-                zephon_checkpoint=source_state[ZephonSource.STATE_KEY],
-                skip=source_state.get(ZephonSource.SKIP_KEY, {}),
-                carried=source_state.get(ZephonSource.CARRIED_KEY, []),
-                # An ended pass records what the next one reads first; a pass in progress what it began with.
-                carry=self._source.pending_carry if pass_ended else source_state.get(ZephonSource.CARRY_KEY, []),
-                stats=stats,
-                phase=phase,
-            ).to_dict()
+            # An ended pass records what the next one reads first; a pass in progress what it began with.
+            return self._state_of(source_state, stats, pass_ended=pass_ended,
+                                  carry=self._source.pending_carry if pass_ended else None).to_dict()
+
+    def _state_of(self, source_state: Mapping[str, Any], stats: Any, *, pass_ended: bool,
+                  carry: list[dict[str, Any]] | None) -> LoaderState:
+        """The :class:`LoaderState` of a source state (``ZephonSource.state_at``) and merged accounting."""
+        fingerprint = copy.deepcopy(self.fingerprint)
+        phase = None
+        if ZephonSource.PHASE_KEY in source_state:  # a mixture schedule: its phases up to the current one
+            index = int(source_state[ZephonSource.PHASE_KEY])
+            phase = {"index": index, "batches": source_state.get(ZephonSource.PHASE_BATCHES_KEY, {})}
+            fingerprint["schedule"] = fingerprint["schedule"][:index + 1]
+        return LoaderState(
+            fingerprint=fingerprint,
+            epoch=int(source_state.get(ZephonSource.EPOCH_KEY, 0)),
+            pass_ended=pass_ended,
+            zephon_checkpoint=source_state[ZephonSource.STATE_KEY],
+            skip=source_state.get(ZephonSource.SKIP_KEY, {}),
+            carried=source_state.get(ZephonSource.CARRIED_KEY, []),
+            carry=carry if carry is not None else source_state.get(ZephonSource.CARRY_KEY, []),
+            stats=stats,
+            phase=phase,
+        )
 
     def _consumer_lag(self) -> int:
         """Batches delivered beyond the last :meth:`set_consumed` count (0 without one); a count given before
@@ -694,6 +887,43 @@ class _Pass(Iterator[dict[str, Any]]):
 
     def __next__(self) -> dict[str, Any]:
         return self._loader._next(self._generation)
+
+
+class _Collated(dict):
+    """A collated batch (what the read-ahead keeps of a pulled batch) that also holds, as an attribute, its
+    rows' raw provenance: the final map gets a plain ``dict`` copy, so it never reaches a yielded batch."""
+
+    provenance: Any = None
+
+
+class _TracedCollate:
+    """The loader's collate plus references to what Zephon's batch carries of each row's records
+    (:func:`~zephon_loader.pipeline.provenance.raw_provenance`: no copy, no work;
+    :meth:`ZephonLoader.provenance` reads them only when asked)."""
+
+    def __init__(self, collate_fn: Callable[[Any], dict[str, Any]]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, sample_batch: Any) -> dict[str, Any]:
+        out = _Collated(self.collate_fn(sample_batch))
+        out.provenance = raw_provenance(sample_batch)
+        return out
+
+
+def _first_tensor(batch: Any) -> Any:
+    """A yielded batch's first tensor: what identifies it (tensors are weak-referenceable, dicts are not)."""
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor):
+                return value
+    return None
+
+
+def _merge_skip_round(values: list[Any]) -> dict[str, Any]:
+    """Every rank's ``{"stats": round value, "pulled": batches}`` of a skip -> merged accounting, every count."""
+    present = [value for value in values if value]
+    return {"stats": LoaderStats.merge([value["stats"] for value in present]),
+            "pulled": [int(value["pulled"]) for value in present]}
 
 
 def _release(read_ahead: ReadAhead, source: ZephonSource, on_close: Callable[[], None] | None) -> None:

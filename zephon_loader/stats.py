@@ -123,6 +123,10 @@ class LoaderStats:
         self._lanes: dict[int, dict[str, Any]] = {}
         #: Drop events by cursor key (merged from the log and from a loaded state).
         self._drops: dict[str, dict[str, Any]] = {}
+        #: This rank's steps of the pass: batches delivered plus batches skipped (``ZephonLoader.skip_batches``).
+        self.steps = 0
+        #: The ranges skipped in this pass: ``[{"from_step": s, "batches": n}, ...]`` (steps s .. s + n - 1).
+        self.skips: list[dict[str, int]] = []
 
     # -- updates ------------------------------------------------------------------------
     def reset(self) -> None:
@@ -132,6 +136,8 @@ class LoaderStats:
         and the new pass reads the same records at the same positions again.
         """
         self._lanes = {}
+        self.steps = 0
+        self.skips = []
 
     def _lane(self, lane: int) -> dict[str, Any]:
         return self._lanes.setdefault(int(lane), {"batches": 0, "carried": 0, "label_only": 0, "delivered": {}})
@@ -145,6 +151,7 @@ class LoaderStats:
         lane, counts, label_only, *rest = lane_counts
         cp, phase = (rest[0] if rest else 0), rest[1:]
         entry = self._lane(lane)
+        self.steps += 1
         entry["batches"] += 1
         entry["carried"] += int(carried)
         entry["label_only"] += int(label_only)
@@ -153,6 +160,18 @@ class LoaderStats:
         self._add(entry["delivered"], counts, 1)
         if phase:  # a mixture schedule's phase: counted per phase too
             self._add(entry.setdefault("phases", {}).setdefault(str(phase[0]), {}), counts, 1)
+
+    def add_skipped(self, lane: int, counts: Sequence[Sequence[int]]) -> None:
+        """Count one batch skipped by ``ZephonLoader.skip_batches`` (read and packed, never yielded):
+        ``counts`` is :func:`batch_source_counts` of it. It is a step (``steps``), not a delivered batch."""
+        entry = self._lane(lane)
+        entry["skipped"] = entry.get("skipped", 0) + 1
+        self._add(entry.setdefault("skipped_sources", {}), counts, 1)
+
+    def record_skip(self, from_step: int, batches: int) -> None:
+        """Steps ``from_step .. from_step + batches - 1`` of this pass were skipped (this rank's count)."""
+        self.skips.append({"from_step": int(from_step), "batches": int(batches)})
+        self.steps = int(from_step) + int(batches)
 
     def _add(self, delivered: dict[str, list[int]], counts: Sequence[Sequence[int]], sign: int) -> None:
         for cid, documents, tokens in counts:
@@ -195,10 +214,14 @@ class LoaderStats:
             self._add(entry["delivered"], counts, -1)
             if phase:
                 self._add(entry["phases"][str(phase[0])], counts, -1)
-        return {
+        state = {
             "lanes": {str(lane): entry for lane, entry in sorted(lanes.items())},
             "drops": [copy.deepcopy(event) for event in self._drops.values()],
+            "steps": self.steps - len(undelivered),
         }
+        if self.skips:
+            state["skips"] = copy.deepcopy(self.skips)
+        return state
 
     def round_value(self, undelivered: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
         """What this rank contributes to a state's round: :meth:`state_dict` and the lanes it owns."""
@@ -225,7 +248,27 @@ class LoaderStats:
                 lanes.setdefault(lane, entry)
             for event in value["drops"]:
                 drops.setdefault(_event_key(event), event)
-        return {"lanes": {lane: lanes[lane] for lane in sorted(lanes, key=int)}, "drops": list(drops.values())}
+        merged = {"lanes": {lane: lanes[lane] for lane in sorted(lanes, key=int)}, "drops": list(drops.values()),
+                  # every rank counts the same steps (a step is one batch on each rank); the first's skips
+                  "steps": max((int(value.get("steps", 0)) for value in present), default=0)}
+        skips = next((value["skips"] for value in present if value.get("skips")), None)
+        if skips:
+            merged["skips"] = skips
+        return merged
+
+    @staticmethod
+    def steps_of(state: Mapping[str, Any]) -> tuple[int, list[dict[str, int]]]:
+        """``(steps, skips)`` of a :meth:`state_dict`: the step of the pass it resumes at, the ranges skipped.
+        A state saved before steps were counted: every lane's batches (exact at the DP size of one rank)."""
+        try:
+            skips = [{"from_step": int(skip["from_step"]), "batches": int(skip["batches"])}
+                     for skip in state.get("skips") or []]
+            if "steps" in state:
+                return int(state["steps"]), skips
+            return sum(int(entry["batches"]) for entry in state["lanes"].values()), skips
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
+                             "expected the dict returned by ZephonLoader.state_dict()") from error
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` output (drop events are merged by key, never double counted)."""
@@ -241,12 +284,22 @@ class LoaderStats:
                         for phase, by_source in entry["phases"].items()}
                 if entry.get("cp_padding"):
                     lanes[int(lane)]["cp_padding"] = int(entry["cp_padding"])
+                if entry.get("skipped"):
+                    lanes[int(lane)]["skipped"] = int(entry["skipped"])
+                    lanes[int(lane)]["skipped_sources"] = {str(k): [int(v[0]), int(v[1])]
+                                                           for k, v in entry.get("skipped_sources", {}).items()}
             drops = {_event_key(event): dict(event) for event in state["drops"]}
+            skips = [{"from_step": int(skip["from_step"]), "batches": int(skip["batches"])}
+                     for skip in state.get("skips") or []]
+            # A state saved before steps were counted: every lane's batches, as one rank read them.
+            steps = int(state["steps"]) if "steps" in state else sum(entry["batches"] for entry in lanes.values())
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
             raise ValueError(f"state_dict.stats: malformed ({type(error).__name__}: {error}); "
                              "expected the dict returned by ZephonLoader.state_dict()") from error
         self._lanes = lanes
         self._drops = drops
+        self.steps = steps
+        self.skips = skips
         self._merge_log()
 
     # -- report -------------------------------------------------------------------------
@@ -262,7 +315,10 @@ class LoaderStats:
         tokens that reached the model only as a label (see the module docstring): the input tokens
         delivered are the sources' delivered ``tokens`` minus these. ``cp_padding_tokens``: the padding
         added after documents for context parallelism (``contract.cp_size > 1``; 0 otherwise), included in
-        the sources' delivered ``tokens``.
+        the sources' delivered ``tokens``. ``steps``: this rank's steps of the pass (batches delivered plus
+        skipped); ``skipped_batches``: batches :meth:`ZephonLoader.skip_batches` read and never yielded (the
+        lanes this rank owns), per source under ``sources[name]["skipped"]`` (``{"documents", "tokens"}``, only
+        for sources that had some), and ``skipped_steps``: the ranges skipped, ``[{"from_step", "batches"}]``.
         """
         self._merge_log()
         totals: dict[str, list[int]] = {name: [0, 0] for name in self.source_names}
@@ -309,7 +365,17 @@ class LoaderStats:
             "sources": sources,
             "dropped": dropped,
             "reasons": dict(self.reasons),
+            "steps": self.steps,
+            "skipped_batches": sum(entry.get("skipped", 0) for lane, entry in self._lanes.items() if self._owns(lane)),
+            "skipped_steps": copy.deepcopy(self.skips),
         }
+        for lane, entry in self._lanes.items():
+            if self._owns(lane):
+                for name, (docs, toks) in entry.get("skipped_sources", {}).items():
+                    skipped = sources.setdefault(name, {"delivered": {"documents": 0, "tokens": 0}, "dropped": {}}
+                                                 ).setdefault("skipped", {"documents": 0, "tokens": 0})
+                    skipped["documents"] += docs
+                    skipped["tokens"] += toks
         if phases:  # a mixture schedule: {"<phase>": {source: {"documents", "tokens"}}}, phases in order
             report["phases"] = {phase: {name: phases[phase][name] for name in sorted(phases[phase])}
                                 for phase in sorted(phases, key=int)}

@@ -2,6 +2,8 @@
 
     zephon-loader run [CONFIG] [--steps N] [--json FILE]    # iterate and report (bundled default without CONFIG)
     zephon-loader inspect [CONFIG] --out FILE.png [--row R] # draw the first batch
+    zephon-loader show CONFIG --steps A-B [--state STATE] [--rank R --world N] [--json]  # what steps trained on
+    zephon-loader skip CONFIG STATE --batches N --out STATE2 [--world N]  # resume N steps later
     zephon-loader --version
 
 Both commands take a text or an image-text config (:mod:`zephon_loader.cli.configs`
@@ -271,6 +273,23 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     inspect_parser.add_argument("--row", type=int, default=0,
                                 help="row whose block mask is drawn, 0 <= ROW < micro_batch_size (default 0)")
+    show_parser = commands.add_parser("show", help="which documents each row of some steps held (source, shard, "
+                                      "line/row, token span), without training")
+    show_parser.add_argument("config", type=config_path, help="the run's YAML file (or pkg://NAME)")
+    show_parser.add_argument("--steps", required=True, help="STEP or FIRST-LAST, 0-based steps of the pass")
+    show_parser.add_argument("--state", type=Path, default=None,
+                             help="a state saved at or before FIRST: reading starts there (default: the pass start)")
+    show_parser.add_argument("--rank", type=int, default=0, help="the data-parallel rank (default 0)")
+    show_parser.add_argument("--world", type=int, default=1, help="the data-parallel size of the run (default 1)")
+    show_parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    skip_parser = commands.add_parser("skip", help="write a state that resumes N steps after STATE (the "
+                                      "skipped batches are counted and recorded in it)")
+    skip_parser.add_argument("config", type=config_path, help="the run's YAML file (or pkg://NAME)")
+    skip_parser.add_argument("state", type=Path, help="the saved state (.json, or torch.save)")
+    skip_parser.add_argument("--batches", type=int, required=True, help="steps to skip (batches on each rank)")
+    skip_parser.add_argument("--out", type=Path, required=True, help="where to write the new state")
+    skip_parser.add_argument("--world", type=int, default=1,
+                             help="the data-parallel size the run resumes at (default 1)")
     return parser
 
 
@@ -284,7 +303,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from zephon_loader.config import default_config_path
 
         config = args.config if args.config is not None else default_config_path()
-        if args.command == "run":
+        if args.command == "show":
+            from zephon_loader.cli.show import format_table, parse_steps, show
+
+            report = show(config, parse_steps(args.steps), args.state, args.rank, args.world)
+            print(json.dumps(report, indent=2) if args.json else format_table(report))
+        elif args.command == "skip":
+            from zephon_loader.cli.show import skip
+
+            done = skip(config, args.state, args.batches, args.out, args.world)
+            print(f"wrote {done['out']}: steps {done['from_step']}-{done['to_step'] - 1} skipped at DP size "
+                  f"{done['world']}; it resumes at step {done['to_step']}")
+        elif args.command == "run":
             report = run(config, args.steps)
             if args.json is not None:
                 args.json.write_text(json.dumps(report, indent=2))

@@ -132,6 +132,8 @@ class ReadAhead(BaseNode):
         self._pulled = False  # the source was pulled since the last reset()
         #: ``(epoch, lane)`` of the batch the last ``next()`` returned (consumer side).
         self.last_key: Any = None
+        #: What ``collate`` made of the batch the last ``next()`` returned (consumer side).
+        self.last_raw: Any = None
         self._anchor: Any = None  # the latest anchor (source position before a pull), None before the first
         self._since: dict[Any, int] = {}  # key -> batches pulled since the anchor
         self._anchor_due = 0.0  # monotonic time after which the next pull takes a new anchor
@@ -260,6 +262,7 @@ class ReadAhead(BaseNode):
         if isinstance(item.ready, _Failure):
             raise item.ready.error
         self.last_key = item.key
+        self.last_raw = item.raw
         return item.ready
 
     def _take(self) -> Any:

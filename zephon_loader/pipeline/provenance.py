@@ -3,6 +3,10 @@
 * :class:`ShardTable`: Zephon's ``sample_id = (dataset_id, shard_id, index)``
   back to a source, shard file and line (JSONL, 1-based) or row (Parquet,
   0-based), for every message about a record.
+* :func:`row_pieces` / :func:`describe_rows`: what each packed row of a Zephon
+  ``SampleBatch`` holds (which record, which token span), and that as
+  source, shard, line/row (step provenance, ``loader.provenance(batch)`` and
+  ``zephon-loader show``).
 * :class:`DropLog`: an append-only JSONL file of drop events shared by every
   Zephon worker (threads or processes): one line per dropped record, keyed by
   the record's cursor so a record read twice (a resume replays from a chunk
@@ -19,7 +23,7 @@ from typing import Any
 
 from zephon_loader.errors import BadRecordError
 
-__all__ = ["DropLog", "ShardTable", "SourceShards"]
+__all__ = ["DropLog", "ShardTable", "SourceShards", "describe_rows", "raw_provenance", "row_pieces"]
 
 
 # ----------------------------------------------------------------------------- where a record is
@@ -78,6 +82,29 @@ class ShardTable:
             return f"source {src.name!r}, shard {file}, row {index} (0-based)"
         line = _physical_line(src.text_path(shard), index)
         return f"source {src.name!r}, shard {file}, " + (f"line {line}" if line else f"record #{index}")
+
+    def locate(self, sample_id: Sequence[int]) -> dict[str, Any]:
+        """Where a record is, as data: ``{"source", "shard" (file or URL), "line" (JSONL, 1-based) or "row"
+        (Parquet and the other formats, 0-based), "record" (Zephon's index in the shard)}``.
+
+        A JSONL shard's line numbers are read once per shard (cached) and counted as Zephon counts records
+        (non-blank lines). A sample id outside the table (not this configuration's data) raises ``ValueError``.
+        """
+        dataset, shard, index = (int(x) for x in sample_id[:3])
+        if not 0 <= dataset < len(self.sources) or not 0 <= shard < len(self.sources[dataset].files):
+            raise ValueError(
+                f"provenance: Zephon's sample id {tuple(sample_id)!r} names dataset {dataset}, shard {shard}; expected "
+                f"one of this configuration's {len(self.sources)} sources and its shards: the batch does not come "
+                "from this loader's data")
+        src = self.sources[dataset]
+        where: dict[str, Any] = {"source": src.name, "shard": _join(src.folder, src.files[shard])}
+        if src.kind == "jsonl":
+            lines = _line_index(src.text_path(shard))
+            where["line"] = lines[index] if lines is not None and index < len(lines) else None
+        else:
+            where["row"] = index
+        where["record"] = index
+        return where
 
     def field_presence(self, sample_id: Sequence[int], field: str, limit: int = 10_000) -> str:
         """How many records of the shard holding ``sample_id`` have ``field`` (at most ``limit`` read; this error
@@ -139,6 +166,107 @@ class ShardTable:
                             )
         return BadRecordError(f"a JSONL shard holds a line that is not valid JSON ({error}); none found on re-reading "
                               "the shards: were they changed while the loader ran?")
+
+
+def _join(folder: str, name: str) -> str:
+    from zephon_loader.pipeline.object_store import is_url
+
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
+
+
+_LINE_INDEXES: dict[tuple[str, int, int], list[int] | None] = {}
+
+
+def _line_index(file: str) -> list[int] | None:
+    """1-based physical line of each record of a plain JSONL file (Zephon numbers non-blank lines); ``None``
+    for a compressed shard (its record index is named instead). Cached per file, size and mtime."""
+    if not file.endswith(".jsonl"):
+        return None
+    try:
+        stat = os.stat(file)
+        key = (file, stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        key = (file, -1, -1)
+    if key not in _LINE_INDEXES:
+        try:
+            with _open_text(file) as handle:
+                _LINE_INDEXES[key] = [number for number, line in enumerate(handle, start=1) if not line.isspace()]
+        except Exception:  # noqa: BLE001 - an unreadable file: the record index is named instead
+            _LINE_INDEXES[key] = None
+    return _LINE_INDEXES[key]
+
+
+# ----------------------------------------------------------------------------- what a row holds
+
+def raw_provenance(sample_batch: Any) -> list[tuple[Any, Any, int]]:
+    """What :func:`row_pieces` needs of each row of a ``SampleBatch``, by reference (no copy, no work):
+    ``(contributors, positions, padding_length)``."""
+    rows = []
+    for record in sample_batch.records:
+        meta = record.meta
+        payload = record.payload
+        positions = payload.get("positions") if isinstance(payload, dict) else None
+        packing = meta.tags.get("_packing_metadata") or {}
+        rows.append((meta.contribution_refs(), positions, int(packing.get("padding_length") or 0)))
+    return rows
+
+
+def row_pieces(contributors: Sequence[Any], positions: Any, padding: int) -> list[tuple[tuple[int, int, int], int,
+                                                                                     int, bool]]:
+    """The pieces of one packed row: ``[(sample_id, start, end, last), ...]`` in row order.
+
+    Zephon's packer gives a packed record, per segment in order, the record it came from
+    (``meta.contributors``: the record's cursor with its ``sample_id``; ``is_last_child``: this segment is the
+    record's last piece) and ``positions`` that restart at 0 at every segment (the trailing padding forms
+    one more run); ``start``/``end`` are columns of the packed row of ``S + 1`` tokens, end exclusive.
+
+    Raises:
+        ValueError: No positions, or segments and contributors that do not pair up (a pipeline this
+            function does not know).
+    """
+    import numpy as np
+
+    if positions is None:
+        raise ValueError("provenance: the packed rows carry no 'positions' (Zephon's pack_flat with "
+                         "emit_positions), expected the text pipeline's rows; this loader's rows cannot be traced")
+    positions = np.asarray(positions)
+    starts = np.flatnonzero(positions == 0).tolist()
+    bounds = starts + [int(positions.shape[0])]
+    runs = [(bounds[i], bounds[i + 1]) for i in range(len(starts))]
+    if padding:
+        if not runs or runs[-1][1] - runs[-1][0] != padding:
+            raise ValueError(f"provenance: a row's last run of positions is {runs[-1] if runs else None}, expected "
+                             f"the {padding} padding tokens Zephon's packer reported")
+        runs = runs[:-1]
+    if len(runs) != len(contributors):
+        raise ValueError(f"provenance: a packed row has {len(runs)} segments (by its positions) and "
+                         f"{len(contributors)} contributing records, expected one record per segment")
+    return [(tuple(int(x) for x in ref.cursor.sample_id[:3]), start, end, bool(ref.is_last_child))
+            for ref, (start, end) in zip(contributors, runs)]
+
+
+def describe_rows(raw: Sequence[tuple[Any, Any, int]], table: ShardTable, sequence_length: int) -> list[
+        list[dict[str, Any]]]:
+    """Per row of a batch (:func:`raw_provenance`), its pieces as data::
+
+        {"source", "shard", "line" | "row", "record", "start", "end", "tokens", "ends_document"}
+
+    ``start``/``end``: the piece's columns of ``input_ids`` (end exclusive); the packed row has ``S + 1``
+    tokens and its last one reaches the model only as a label, so ``end`` is at most ``S`` (a piece made of
+    that token alone has ``start == end == S``). ``tokens``: the piece's tokens in the packed row (label-only
+    one included). ``ends_document``: the piece is its document's last (``wrap`` cuts a document across rows:
+    its earlier pieces have ``False``).
+    """
+    rows = []
+    for contributors, positions, padding in raw:
+        pieces = []
+        for sample_id, start, end, last in row_pieces(contributors, positions, padding):
+            piece = table.locate(sample_id)
+            piece.update(start=min(start, sequence_length), end=min(end, sequence_length), tokens=end - start,
+                         ends_document=last)
+            pieces.append(piece)
+        rows.append(pieces)
+    return rows
 
 
 def _physical_line(file: str, index: int) -> int | None:
