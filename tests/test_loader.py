@@ -209,7 +209,7 @@ def test_bad_states_are_refused(sources, tokenizer_dir):
         with pytest.raises(ValueError, match="state_dict.checksum: the content does not match"):
             loader.load_state_dict(corrupt)
         # Behind the checksum (a state resealed by hand), each field is still checked.
-        with pytest.raises(ValueError, match="no Zephon checkpoint"):
+        with pytest.raises(ValueError, match="state_dict.zephon_checkpoint: missing"):
             loader.load_state_dict(resealed(corrupt))
         corrupt["zephon_checkpoint"] = [1]
         with pytest.raises(ValueError, match="zephon_checkpoint: got list"):
