@@ -16,14 +16,12 @@ and, independently, by wrapping
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import socket
-import time
 import traceback
 from pathlib import Path
 
 import pytest
+from spawned_ranks import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed")
 
@@ -32,11 +30,6 @@ EPOCHS = 3
 #: Fails a run whose ranks are not done by then (a hang): far above what they need on a busy 2-core machine.
 BOUND_S = 600.0
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(sources, tokenizer_dir: str, read_ahead: int, run_id: str) -> dict:
@@ -121,26 +114,9 @@ def _rank(rank: int, port: int, task: dict) -> None:
 def test_amortized_agreement_keeps_the_ranks_in_step_with_fewer_collectives(tmp_path, jsonl_sources, tokenizer_dir):
     sources = [{"name": name, "path": str(path), "weight": 1.0} for name, path in sorted(jsonl_sources.items())]
     task = {"sources": sources, "tokenizer": str(tokenizer_dir), "out": str(tmp_path)}
-    context = mp.get_context("spawn")
-    port = _free_port()
-    processes = [context.Process(target=_rank, args=(rank, port, task)) for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + BOUND_S
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        if hung:
-            pytest.fail(f"rank(s) {hung} still running after {BOUND_S} s (a hang)")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(30)
-    for rank, process in enumerate(processes):
-        error = tmp_path / f"rank{rank}.error"
-        assert process.exitcode == 0, error.read_text() if error.exists() else f"rank {rank}: exit {process.exitcode}"
+    port = free_port()
+    run_ranks(_rank, [(rank, port, task) for rank in range(WORLD)],
+              [tmp_path / f"rank{rank}.error" for rank in range(WORLD)], bound_s=BOUND_S, what="amortized agreement")
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     window = ranks[0]["window"]
     assert window >= 4, f"PassAgreement.WINDOW is {window}: not several batches per exchange"

@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from spawned_ranks import run_ranks
 
 READ_AHEADS = (0, 2)
 LANES = 2
@@ -88,18 +89,8 @@ def _rank(task: dict) -> None:
 
 
 def _run(tasks: list[dict]) -> list[dict]:
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_rank, args=(task,)) for task in tasks]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(240)
-    for task, process in zip(tasks, processes):
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"{task['out']} hung")
-        error = Path(task["out"]).with_suffix(".error")
-        assert process.exitcode == 0, error.read_text() if error.exists() else f"{task['out']}: exit {process.exitcode}"
+    run_ranks(_rank, [(task,) for task in tasks], [Path(task["out"]).with_suffix(".error") for task in tasks],
+              bound_s=240, what=Path(tasks[0]["out"]).parent.name)
     return [{int(k): v for k, v in json.loads(Path(task["out"]).read_text()).items()} for task in tasks]
 
 

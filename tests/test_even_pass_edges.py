@@ -22,9 +22,7 @@ Each run is bounded (a hang fails after ``BOUND_S`` with the children killed).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -32,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from conftest import write_jsonl_shards
+from spawned_ranks import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed")
 
@@ -41,11 +40,6 @@ BOUND_S = 420.0
 #: The agreement's wait for the other ranks at a loader's first batch, in these runs.
 START_TIMEOUT_S = 5
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(sources, tokenizer_dir: str, run_id: str, **extra) -> dict:
@@ -87,26 +81,9 @@ def _rank(rank: int, port: int, scenario: str, task: dict) -> None:
 
 def _run(tmp_path: Path, scenario: str, task: dict) -> list[dict]:
     task = dict(task, out=str(tmp_path))
-    context = mp.get_context("spawn")
-    port = _free_port()
-    processes = [context.Process(target=_rank, args=(rank, port, scenario, task)) for rank in range(WORLD)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + BOUND_S
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        if hung:
-            pytest.fail(f"{scenario}: rank(s) {hung} still running after {BOUND_S} s (a hang)")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(30)
-    for rank, process in enumerate(processes):
-        error = tmp_path / f"rank{rank}.error"
-        assert process.exitcode == 0, error.read_text() if error.exists() else f"rank {rank}: exit {process.exitcode}"
+    port = free_port()
+    run_ranks(_rank, [(rank, port, scenario, task) for rank in range(WORLD)],
+              [tmp_path / f"rank{rank}.error" for rank in range(WORLD)], bound_s=BOUND_S, what=scenario)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 import traceback
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from spawned_ranks import run_ranks
 
 ENDS = (3, 6)  # phase 0: steps 1-3, phase 1: 4-6, phase 2: 7 on
 CUTS = (2, 3, 4, 5, 6, 7)  # before, at and after each boundary
@@ -235,18 +235,8 @@ def _rank(task: dict) -> None:
 
 
 def _run(tasks: list[dict]) -> list[dict]:
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_rank, args=(task,)) for task in tasks]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(300)
-    for task, process in zip(tasks, processes):
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"{task['out']} hung")
-        error = Path(task["out"]).with_suffix(".error")
-        assert process.exitcode == 0, error.read_text() if error.exists() else f"{task['out']}: exit {process.exitcode}"
+    run_ranks(_rank, [(task,) for task in tasks], [Path(task["out"]).with_suffix(".error") for task in tasks],
+              bound_s=300, what=Path(tasks[0]["out"]).parent.name)
     return [json.loads(Path(task["out"]).read_text()) for task in tasks]
 
 

@@ -14,11 +14,11 @@ rank: that rank's steps), with the skipped count in ``stats()`` and the skip rec
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import traceback
 from pathlib import Path
 
 import pytest
+from spawned_ranks import run_ranks
 
 TAKEN = 2  # steps before the state
 SKIP = 3  # steps skipped after it
@@ -74,18 +74,8 @@ def _worker(task: dict) -> None:
 
 
 def _run(tasks: list[dict]) -> list[dict]:
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_worker, args=(task,)) for task in tasks]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(300)  # generous: several ranks share 2 busy cores
-    for task, process in zip(tasks, processes):
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"{task['out']} hung")
-        error = Path(task["out"]).with_suffix(".error")
-        assert process.exitcode == 0, error.read_text() if error.exists() else f"{task['out']}: exit {process.exitcode}"
+    run_ranks(_worker, [(task,) for task in tasks], [Path(task["out"]).with_suffix(".error") for task in tasks],
+              bound_s=300, what=Path(tasks[0]["out"]).parent.name)
     return [json.loads(Path(task["out"]).read_text()) for task in tasks]
 
 
