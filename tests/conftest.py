@@ -252,3 +252,22 @@ def chat_source(tmp_path_factory: pytest.TempPathFactory, corpus_texts: list[str
         for i in range(60)
     ]
     return write_jsonl_shards(tmp_path_factory.mktemp("chat"), records, shards=2)
+
+
+#: Test files of the whole suite only (``dev.sh test``, CI): they start several processes, a trainer, a server
+#: or Ray, or read whole passes of larger corpora. ``dev.sh quick`` (``-m "not slow"``) runs the rest.
+SLOW_FILES = frozenset({
+    "test_accelerate.py", "test_agreement_amortized.py", "test_crash_resume.py", "test_data_parallel.py",
+    "test_distributed.py", "test_docs.py", "test_elastic_resume.py", "test_even_pass_edges.py",
+    "test_even_passes.py", "test_examples.py", "test_hf_models.py", "test_hf_trainer.py",
+    "test_hf_trainer_epochs.py", "test_hf_vlm.py", "test_image_model.py", "test_image_recipe.py",
+    "test_lightning.py", "test_lightning_defaults.py", "test_mixture_schedule.py", "test_object_storage.py",
+    "test_packaging.py", "test_process_runner.py", "test_provenance_skip.py", "test_ray_runner.py",
+    "test_shard_formats.py", "test_signals.py", "test_validation_loader.py", "test_first_batch.py",
+})
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

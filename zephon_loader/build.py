@@ -171,13 +171,14 @@ def build_text_loader(
         packing_contract: The model's contract; ``None`` uses the YAML's
             ``contract`` (default: block-causal, no metadata).
         tokenizer: The recipe's tokenizer, used when the YAML names none.
-        dp_rank, dp_world_size: This rank's data-parallel coordinates; Zephon
+        dp_rank: This rank's data-parallel rank (with ``dp_world_size``); Zephon
             gives each DP rank its own lane(s). Unset (both): taken from
             ``torch.distributed``'s default group when it is initialized
             (then ``aggregate_store`` defaults to ``torch://`` and ``run_id``
             to one derived from the config, the same on every rank), else a
             single rank. With several ranks and explicit coordinates set
             ``distributed.aggregate_dir`` or ``aggregate_store``.
+        dp_world_size: The data-parallel size (given with ``dp_rank``).
         dp_group: Instead of the two: the data-parallel ``ProcessGroup`` or
             1-D ``DeviceMesh`` (e.g. ``mesh["dp"]``) whose rank and size they are.
         collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
@@ -224,7 +225,9 @@ def build_image_loader(
             ``None``: the YAML's ``processor``.
         get_rope_index: The model's ``get_rope_index``; when given, positions of
             every record come from it (the processor must have ``bind_get_rope_index``).
-        dp_rank, dp_world_size, dp_group: As for :func:`build_text_loader`.
+        dp_rank: As for :func:`build_text_loader`.
+        dp_world_size: As for :func:`build_text_loader`.
+        dp_group: As for :func:`build_text_loader`.
         collate_wrapper: AutoModel-style wrapper applied to each yielded batch.
         dataset_build_context: Entered while the processor and the Zephon pipeline are built.
         pin_memory: ``None`` = pin when CUDA is available.

@@ -198,7 +198,8 @@ class ZephonTrainer(Trainer):
     is the Trainer's. See the module docstring for what differs and why.
 
     Args:
-        model, args: As for ``Trainer``; ``args.max_steps`` must be > 0 when
+        model: As for ``Trainer``.
+        args: As for ``Trainer``; ``args.max_steps`` must be > 0 when
             training (the loader has no length).
         train_loader: This process's training loader (built with this rank's
             ``dp_rank``/``dp_world_size``). The trainer reads and checkpoints
