@@ -162,7 +162,7 @@ def test_readme_zephon_loader_commands_parse():
             assert exit_.value.code == 0
             continue
         args = parser.parse_args(words)
-        assert args.command in ("run", "inspect"), command
+        assert args.command in ("run", "inspect", "index"), command
 
 
 def test_readme_python_snippets_compile():
