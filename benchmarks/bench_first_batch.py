@@ -18,9 +18,17 @@ checked to be the uninterrupted run's next one). ``--endless`` makes the stream
 endless (``passes: null``, training by steps) and, with ``--resume``, also
 resumes under ``flush_every_records: 0`` (Zephon's unshortened flush cadence,
 the default before the window was sized from the batch) to compare the waits.
+``--cold 1,8`` builds on a node that has never seen the corpus: the whole
+standard library repeated ``--copies`` times (and 8x that) in 32 JSONL shards
+with Zephon's ``index.json`` built beforehand, a fresh ``ZEPHON_LOADER_CACHE``
+per run; it prints the first batch, the bytes the process read until then
+(``/proc/self/io`` ``rchar``: Zephon's reads included) and what a
+``state_dict()`` right after the first batch waits (the shard digests the
+fingerprint needs); also with a digest manifest (``zephon-loader index``) when
+the code has that command.
 
     python benchmarks/bench_first_batch.py [--files 600] [--repeats 3] [--settings default,1,2] [--sizes]
-                                           [--resume N,M] [--endless]
+                                           [--resume N,M] [--endless] [--cold 1,8 [--copies 32]]
 """
 
 from __future__ import annotations
@@ -56,6 +64,107 @@ def make_corpus(folder: Path, files: int) -> tuple[int, int]:
         for shard in shards:
             shard.close()
     return len(paths), total
+
+
+def make_scaled_corpus(folder: Path, copies: int, shards: int = 32) -> int:
+    """The non-test stdlib sources repeated ``copies`` times in ``shards`` JSONL shards, then Zephon's
+    ``index.json``; returns the bytes of the shards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in stdlib.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    lines = []
+    for path in paths:
+        text = path.read_text(errors="replace")
+        if text.strip():
+            lines.append(json.dumps({"text": text, "path": str(path.relative_to(stdlib))}) + "\n")
+    handles = [open(folder / f"part-{i:03d}.jsonl", "w") for i in range(shards)]
+    try:
+        for copy in range(copies):
+            for index, line in enumerate(lines):
+                handles[(copy * len(lines) + index) % shards].write(line)
+    finally:
+        for handle in handles:
+            handle.close()
+    subprocess.run([sys.executable, "-m", "zephon.build_index", "jsonl", str(folder)], check=True,
+                   capture_output=True)
+    return sum(p.stat().st_size for p in folder.glob("*.jsonl"))
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read so far (``rchar``: every read call, page cache included)."""
+    with open("/proc/self/io") as handle:
+        return int(next(line for line in handle if line.startswith("rchar:")).split()[1])
+
+
+def cold_child(corpus: Path) -> None:
+    """Build on ``corpus`` with the cache folder the parent made fresh; the first batch, the bytes read until
+    then, and the wait of a ``state_dict()`` right after it; print JSON."""
+    import transformers  # noqa: F401 - loaded before the timed part, as in a training script
+
+    from zephon_loader import build_text_loader
+    from zephon_loader.config import package_data_dir
+
+    config = {
+        "sources": [{"name": "stdlib", "path": str(corpus)}],
+        "tokenizer": {"path": str(package_data_dir() / "tokenizer")},
+        "sequence_length": 2048,
+        "micro_batch_size": 8,
+        "packing": {"algorithm": "wrap"},
+    }
+    read_before = _read_bytes()
+    start = time.perf_counter()
+    with build_text_loader(config) as loader:
+        built = time.perf_counter()
+        next(iter(loader))
+        first = time.perf_counter()
+        read_first = _read_bytes()
+        loader.state_dict()
+        saved = time.perf_counter()
+    print(json.dumps({"build_s": built - start, "first_batch_s": first - start,
+                      "read_mib": (read_first - read_before) / 2**20, "state_dict_s": saved - first}))
+
+
+def _cold(root: Path, scales: list[int], copies: int, repeats: int) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    corpora = {}
+    for scale in scales:
+        folder = root / f"x{scale}"
+        size = make_scaled_corpus(folder, copies * scale)
+        corpora[scale] = folder
+        print(f"corpus {scale}x: {copies * scale} copies of the stdlib, 32 shards, {size / 2**30:.2f} GiB")
+    try:  # the code measured has the digest manifest (zephon-loader index)
+        from zephon_loader.pipeline.digests import MANIFEST_NAME
+
+        manifest = True
+    except ImportError:
+        manifest, MANIFEST_NAME = False, ""
+    cases = [(scale, False) for scale in scales] + ([(scale, True) for scale in scales] if manifest else [])
+    runs: dict[tuple[int, bool], list[dict[str, float]]] = {case: [] for case in cases}
+    index_s: dict[int, list[float]] = {}
+    for _ in range(repeats):
+        for scale, with_manifest in cases:
+            folder = corpora[scale]
+            if with_manifest:
+                indexing = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "zephon_loader.cli", "index", str(folder)], env=env,
+                               check=True, capture_output=True)
+                index_s.setdefault(scale, []).append(time.perf_counter() - indexing)
+            elif manifest:
+                (folder / MANIFEST_NAME).unlink(missing_ok=True)
+            with tempfile.TemporaryDirectory(prefix="cold-cache-") as cache:
+                out = subprocess.run([sys.executable, __file__, "--cold-child", str(folder)],
+                                     env={**env, "ZEPHON_LOADER_CACHE": cache}, capture_output=True, text=True,
+                                     check=True).stdout
+            runs[(scale, with_manifest)].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"{'corpus':>22} {'build s':>8} {'first batch s':>14} {'read MiB':>9} {'state_dict after s':>19}")
+    for (scale, with_manifest), got in runs.items():
+        med = {key: statistics.median(run[key] for run in got) for key in got[0]}
+        label = f"{scale}x cold" + (" + manifest" if with_manifest else "")
+        print(f"{label:>22} {med['build_s']:>8.2f} {med['first_batch_s']:>14.2f} {med['read_mib']:>9.1f} "
+              f"{med['state_dict_s']:>19.2f}")
+    for scale, seconds in index_s.items():
+        print(f"zephon-loader index at {scale}x (once per corpus version, a process of its own): "
+              f"{statistics.median(seconds):.2f} s")
 
 
 def _digest(batch: dict) -> str:
@@ -151,14 +260,24 @@ def main() -> None:
                         help="instead: the first batch of a fresh start against a resume after N (and M...) batches")
     parser.add_argument("--endless", action="store_true",
                         help="passes: null; with --resume also resume under flush_every_records: 0 (Zephon's cadence)")
+    parser.add_argument("--cold", default=None, metavar="1,8",
+                        help="instead: a cold build (fresh cache folder) at these multiples of --copies")
+    parser.add_argument("--copies", type=int, default=32, help="stdlib copies in the 1x corpus of --cold")
     parser.add_argument("--child", nargs=2, metavar=("CORPUS", "SETTING"), help=argparse.SUPPRESS)
+    parser.add_argument("--cold-child", metavar="CORPUS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(Path(args.child[0]), args.child[1])
         return
+    if args.cold_child:
+        cold_child(Path(args.cold_child))
+        return
     print(f"{os.cpu_count()} CPUs, affinity {len(os.sched_getaffinity(0))}; S=2048, B=8, wrap, default runner and "
           "read-ahead; time from build_text_loader to the first batch")
     with tempfile.TemporaryDirectory() as root:
+        if args.cold:
+            _cold(Path(root), [int(n) for n in args.cold.split(",")], args.copies, args.repeats)
+            return
         if args.sizes:
             whole, whole_size = make_corpus(Path(root) / "whole", 10**6)
             quarter, quarter_size = make_corpus(Path(root) / "quarter", whole // 4)

@@ -165,7 +165,7 @@ def test_readme_zephon_loader_commands_parse():
             assert exit_.value.code == 0
             continue
         args = parser.parse_args(words)
-        assert args.command in ("run", "inspect", "show", "skip"), command
+        assert args.command in ("run", "inspect", "show", "skip", "index"), command
 
 
 def test_readme_python_snippets_compile():

@@ -23,6 +23,7 @@ from zephon_loader.contract import PackingContract, validate_packing_contract
 from zephon_loader.finalize import FinalizeSettings
 from zephon_loader.loader import ImageLoader, ZephonLoader
 from zephon_loader.nodes.source import PhasePlan, ZephonSource
+from zephon_loader.pipeline.digests import PendingShards
 from zephon_loader.pipeline.text import DataParallel
 from zephon_loader.schedule import phase_ends, phase_lengths, phase_run_id_suffix, phase_seed, schedule_fingerprint
 from zephon_loader.stages import ImageStage, Stage, TextStage
@@ -58,7 +59,9 @@ def build_loader(
        (:func:`~zephon_loader.tokenizing.fit_tokenizer_threads`), the stage's ``prepare`` (tokenizer folder,
        processor), then the Zephon pipeline, in a work folder the loader owns;
     5. the final-map settings again, if the processor brought eligibility;
-    6. the nodes and the loader: source (rebuilt per epoch), collate, final map, accounting, fingerprint.
+    6. the nodes and the loader: source (rebuilt per epoch), collate, final map, accounting, fingerprint
+       (the shard digests it lacks are hashed in the background after the first batch:
+       :mod:`zephon_loader.pipeline.digests`).
 
     Raises:
         TypeError/ValueError: Bad configuration, contract or processor, before anything starts.
@@ -114,8 +117,13 @@ def build_loader(
                                     run_id_suffix=phase_run_id_suffix(phase), weights=schedule[phase].weights).pipeline
 
     assert stage.sources is not None  # opened by the first build_pipeline()
-    fingerprint = stream_fingerprint(cfg, stage.sources.fingerprint(), dp, contract, stage.micro_batch_size,
-                                     stage.fingerprint(built))
+    # The shard digests: known now (cache, manifest), or hashed in the background after the first batch; until
+    # then the fingerprint holds each shard's name and size, and the loader waits for them in state_dict().
+    shards = PendingShards(stage.sources.files)
+    ready = shards.ready()
+    fingerprint = stream_fingerprint(cfg, shards.result() if ready else shards.outline(), dp, contract,
+                                     stage.micro_batch_size, stage.fingerprint(built))
+    owned_digests = None if ready else shards
     if schedule is not None:
         assert ends is not None
         fingerprint["mixture"] = "schedule"
@@ -135,8 +143,9 @@ def build_loader(
         read_ahead=cfg.read_ahead,
         collate_wrapper=collate_wrapper,
         fingerprint=fingerprint,
+        shard_digests=owned_digests,
         pin_memory=pin_memory,
-        on_close=partial(_close, owned, stage),
+        on_close=partial(_close, owned, stage, owned_digests),
         stats=LoaderStats([source.name for source in cfg.sources], built.drop_log, reasons=stage.drop_reasons()),
         single_rank_by_default=dp.defaulted,
         # Ranks in step at every pass end (a pass without end needs no agreement).
@@ -459,9 +468,12 @@ def _remove(folders: list[str]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _close(folders: list[str], stage: Stage) -> None:
-    """What a loader (or a failed build) leaves: its folders, and what its stage holds (Ray)."""
+def _close(folders: list[str], stage: Stage, digests: PendingShards | None = None) -> None:
+    """What a loader (or a failed build) leaves: the hashing of its shard digests, its folders, and what its
+    stage holds (Ray)."""
     try:
+        if digests is not None:
+            digests.cancel()
         stage.release()
     finally:
         _remove(folders)

@@ -5,8 +5,11 @@ the loader's, naming the differing keys. It covers everything that changes the
 batch stream:
 
 * each source's **shard list**: per shard file (in Zephon's order) its name,
-  size in bytes and the SHA-256 of all its bytes (:mod:`zephon_loader.pipeline.shards`:
-  computed once per file version, cached by the file's identity). Content,
+  size in bytes and the SHA-256 of all its bytes (:mod:`zephon_loader.pipeline.digests`:
+  taken at build from the machine's cache or the folder's ``zephon-loader index``
+  manifest by the file's identity, else hashed in the background after the first
+  batch; ``state_dict()`` and ``load_state_dict()`` wait for them, so every saved
+  state carries them and every resume compares them). Content,
   not paths or mtimes: a run may resume where the data is mounted elsewhere or
   was copied, but a different folder, an added, removed, truncated or
   rewritten shard — also an edit in the middle that keeps the size — is refused;

@@ -118,6 +118,11 @@ class ZephonLoader:
         collate_wrapper: Optional recipe wrapper applied to each finalized batch.
         fingerprint: JSON-able description of everything that fixes the batch
             stream; a state saved under another fingerprint is refused.
+        shard_digests: The fingerprint's ``shards`` while their digests are
+            still being computed (:class:`~zephon_loader.pipeline.digests.PendingShards`;
+            ``None``: ``fingerprint`` is complete). Their hashing starts after
+            the first batch is delivered; :attr:`fingerprint`, ``state_dict``
+            and ``load_state_dict`` wait for it. The loader does not close it.
         pin_memory: Pin yielded tensors; ``None`` = when CUDA is available.
         on_close: Called once after the workers stopped, by :meth:`close` or
             when the loader is collected (e.g. removes a tokenizer folder the
@@ -145,6 +150,7 @@ class ZephonLoader:
         read_ahead: int = 0,
         collate_wrapper: Callable | None = None,
         fingerprint: Mapping[str, Any] | None = None,
+        shard_digests: Any = None,
         pin_memory: bool | None = None,
         on_close: Callable[[], None] | None = None,
         stats: LoaderStats | None = None,
@@ -154,7 +160,8 @@ class ZephonLoader:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"read_ahead: got {read_ahead!r}, expected an int >= 0")
         self.settings = settings
-        self.fingerprint = dict(fingerprint or {})
+        self._fingerprint = dict(fingerprint or {})
+        self._shard_digests = shard_digests  # the fingerprint's shard digests, until they are known
         self._source = source
         self._collate_fn = collate_fn
         self._stats = stats
@@ -215,8 +222,45 @@ class ZephonLoader:
             "(train_loader=loader, ...)"
         )
 
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """What fixes the batch stream (:mod:`zephon_loader.fingerprint`); a state saved under another is refused.
+
+        Its ``shards`` carry each shard's SHA-256: a build that did not find them (cache, manifest) hashes
+        them in the background after the first batch, and this waits for them (:meth:`setting` does not).
+        """
+        pending = self._shard_digests
+        if pending is not None:
+            self._fingerprint["shards"] = pending.result()
+            self._shard_digests = None
+        return self._fingerprint
+
+    @fingerprint.setter
+    def fingerprint(self, value: Mapping[str, Any]) -> None:
+        self._fingerprint, self._shard_digests = dict(value), None
+
+    def setting(self, key: str, default: Any = None) -> Any:
+        """One fingerprint key's value without waiting for the shard digests (``shards``: names and sizes
+        until they are known), e.g. ``setting("micro_batch_size")``."""
+        return self._fingerprint.get(key, default)
+
+    def _await_digests(self) -> None:
+        """Complete the fingerprint's shard digests (waiting for the hashing) without holding the state lock, so
+        that ``next()`` in another thread goes on meanwhile."""
+        if self._shard_digests is not None and self._finalizer.alive:
+            self.fingerprint  # noqa: B018 - the property completes it
+
+    def _identity_fingerprint(self) -> dict[str, Any]:
+        """The fingerprint with each shard as ``[name, size]``: the same on every rank whether its digests are
+        known yet or not (what names the loader to the other ranks)."""
+        shards = self._fingerprint.get("shards")
+        if not isinstance(shards, Mapping):
+            return self._fingerprint
+        return {**self._fingerprint, "shards": {source: [entry[:2] for entry in entries]
+                                                for source, entries in shards.items()}}
+
     def __repr__(self) -> str:
-        fp = self.fingerprint
+        fp = self._fingerprint
         sources = [name for name, _ in fp.get("sources", [])]
         state = "closed" if not self._finalizer.alive else f"epoch {self._source.epoch}"
         return (f"{type(self).__name__}(sources={sources}, sequence_length={fp.get('sequence_length')}, "
@@ -226,7 +270,7 @@ class ZephonLoader:
     @property
     def batch_size(self) -> int | None:
         """The micro-batch size ``B``: rows of every yielded batch."""
-        value = self.fingerprint.get("micro_batch_size")
+        value = self._fingerprint.get("micro_batch_size")
         return value if isinstance(value, int) else None
 
     # -- iteration ----------------------------------------------------------------------
@@ -237,7 +281,8 @@ class ZephonLoader:
             self._check_ranks()
             pending, self._pending = self._pending, None
             if self._even_passes and self._agreement is None:
-                self._agreement = PassAgreement.for_job(loader_identity(self.fingerprint), self.batch_size)
+                self._agreement = PassAgreement.for_job(loader_identity(self._identity_fingerprint()),
+                                                        self.batch_size)
                 if self._agreement is not None:  # a rank promises the batches it holds: hold a window of them
                     self._read_ahead.hold = max(self._read_ahead.depth, PassAgreement.WINDOW)
             self._generation += 1
@@ -319,6 +364,9 @@ class ZephonLoader:
                 self._exhausted = True
                 raise
             self._pass_delivered += 1
+            digests = self._shard_digests
+            if digests is not None:  # the first batch is out: hash what the fingerprint lacks (once)
+                digests.start()
             counts = batch.pop(F.SOURCE_COUNTS, None)
             epoch, lane = self._read_ahead.last_key or (self._source.epoch, -1)
             if self._stats is not None and counts is not None:
@@ -696,8 +744,11 @@ class ZephonLoader:
     def state_dict(self) -> dict[str, Any]:
         """The exact position of the training loop: :meth:`LoaderState.to_dict <zephon_loader.state.LoaderState.to_dict>`.
 
-        After :meth:`set_consumed`, the position after that many batches of the pass.
+        After :meth:`set_consumed`, the position after that many batches of the pass. Its fingerprint carries
+        every shard's SHA-256: digests still being hashed in the background are waited for (a long wait is
+        logged once, naming ``zephon-loader index``, which makes them known at build).
         """
+        self._await_digests()
         with self._state_lock:
             self._check_open()
             if self._pending is not None:
@@ -764,7 +815,8 @@ class ZephonLoader:
         """Resume from :meth:`state_dict` output at the next ``iter()``.
 
         Any ``read_ahead`` and, within ``canonical_replicas``, any DP size may
-        have saved it.
+        have saved it. The shard digests are compared whole: digests this
+        build did not find (cache, manifest) are hashed first, and waited for.
 
         Raises:
             TypeError: Not a mapping.
@@ -773,6 +825,7 @@ class ZephonLoader:
                 checkpoint or one with another lane count, or malformed
                 accounting. Never a silent fresh start.
         """
+        self._await_digests()
         with self._state_lock:
             self._check_open()
             self._pending = LoaderState.from_dict(

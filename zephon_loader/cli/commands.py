@@ -4,10 +4,15 @@
     zephon-loader inspect [CONFIG] --out FILE.png [--row R] # draw the first batch
     zephon-loader show CONFIG --steps A-B [--state STATE] [--rank R --world N] [--json]  # what steps trained on
     zephon-loader skip CONFIG STATE --batches N --out STATE2 [--world N]  # resume N steps later
+    zephon-loader index FOLDER [FOLDER ...]                 # write each folder's shard digest manifest
     zephon-loader --version
 
-Both commands take a text or an image-text config (:mod:`zephon_loader.cli.configs`
-tells them apart); ``inspect`` draws with :mod:`zephon_loader.cli.inspect`.
+``run`` and ``inspect`` take a text or an image-text config (:mod:`zephon_loader.cli.configs`
+tells them apart); ``inspect`` draws with :mod:`zephon_loader.cli.inspect`. ``index`` hashes a
+source folder's shards once and writes the digests with each file's size, mtime and ctime into
+the folder (:func:`zephon_loader.pipeline.digests.build_manifest`): a build on any machine then
+takes them from there instead of hashing the corpus (run it again after changing shards, as
+Zephon's ``build_index``).
 
 Failures. A mistake in the configuration, the data or the environment ends
 the command with one line, ``zephon-loader: error: <message>``, on stderr and
@@ -225,6 +230,17 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
     return report
 
 
+def index(folders: Sequence[str], out=None) -> None:
+    """Write each folder's digest manifest, one line per folder (files, bytes, seconds)."""
+    from zephon_loader.pipeline.digests import build_manifest
+
+    for folder in folders:
+        start = time.perf_counter()
+        path, files, total = build_manifest(folder)
+        print(f"wrote {path}: {files} files, {total / 2**30:.2f} GiB hashed in {time.perf_counter() - start:.1f} s",
+              file=out)
+
+
 def _user_error(error: BaseException) -> str | None:
     """The one-line message of a user error (see the module docstring), or None for a bug.
 
@@ -253,7 +269,7 @@ def _is_zephon_validation_error(error: BaseException) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``zephon-loader`` argument parser (``--version``, ``run``, ``inspect``)."""
+    """The ``zephon-loader`` argument parser (``--version``, ``run``, ``inspect``, ``index``)."""
     parser = argparse.ArgumentParser(
         prog="zephon-loader",
         description="Packed token batches from a Zephon pipeline: iterate a loader and report (run), "
@@ -290,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     skip_parser.add_argument("--out", type=Path, required=True, help="where to write the new state")
     skip_parser.add_argument("--world", type=int, default=1,
                              help="the data-parallel size the run resumes at (default 1)")
+    index_parser = commands.add_parser(
+        "index", help="hash a source folder's shards once and write the digests beside Zephon's index.json",
+        description="Writes FOLDER/zephon_loader.digests.json: each shard's SHA-256 with its size, mtime and "
+        "ctime. A build on any machine then takes the resume fingerprint's digests from it (reading no shard) "
+        "for every file still as recorded; a file changed since is hashed again in the background, with a "
+        "warning. Run it again after changing shards (like python -m zephon.build_index).")
+    index_parser.add_argument("folders", nargs="+", metavar="FOLDER", help="a local source folder")
     return parser
 
 
@@ -302,8 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from zephon_loader.config import default_config_path
 
-        config = args.config if args.config is not None else default_config_path()
-        if args.command == "show":
+        config = None if args.command == "index" else (
+            args.config if args.config is not None else default_config_path())
+        if args.command == "index":
+            index(args.folders)
+        elif args.command == "show":
             from zephon_loader.cli.show import format_table, parse_steps, show
 
             report = show(config, parse_steps(args.steps), args.state, args.rank, args.world)
@@ -329,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = _user_error(error)
         if message is None:
             raise  # a bug: keep the traceback for the report
-        name = str(config)
-        if name not in message:  # every error names the configuration it came from
+        name = str(config) if config is not None else ""
+        if name and name not in message:  # every error names the configuration it came from
             message = f"{name}: {message}"
         print(f"zephon-loader: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -277,7 +277,7 @@ class ZephonTrainer(Trainer):
         self._model_name = type(unwrapped).__name__ if unwrapped is not None else "the model"
         if self.train_loader is not None:
             self._check_data_parallel(self.train_loader, "train_loader")
-            if (self.train_loader.dp_world_size > 1 and self.train_loader.fingerprint.get("passes", 1) is not None
+            if (self.train_loader.dp_world_size > 1 and self.train_loader.setting("passes", 1) is not None
                     and not self.train_loader._even_passes):
                 # Lanes end a pass at different steps: a rank that chains into its next epoch alone is out of step.
                 logger.warning(
@@ -285,7 +285,7 @@ class ZephonTrainer(Trainer):
                     "pass at different steps, so a run that crosses a pass boundary goes out of step. Set passes: "
                     "null (an endless stream; the Trainer stops at max_steps), or leave distributed.even_passes on "
                     "(every rank then ends its pass at the same batch).",
-                    self.train_loader.fingerprint.get("passes", 1), self.train_loader.dp_world_size)
+                    self.train_loader.setting("passes", 1), self.train_loader.dp_world_size)
         for name, loader in _eval_items(self.eval_loader):
             self._check_data_parallel(loader, name)
         # This trainer checkpoints the training loader; evaluation reads epoch 0 from its start every time.
@@ -512,7 +512,7 @@ def _eval_list(eval_loader: ZephonLoader | Mapping[str, ZephonLoader] | None) ->
 
 
 def _micro_batch_size(loader: ZephonLoader) -> int | None:
-    value = loader.fingerprint.get("micro_batch_size")  # what the builder fixed (fingerprint.py records it)
+    value = loader.setting("micro_batch_size")  # what the builder fixed (fingerprint.py records it)
     return value if isinstance(value, int) else None
 
 

@@ -23,7 +23,7 @@ holds, is one of them:
   with a stray ``.jsonl``, a LitData folder with a JSONL file) is refused
   naming both: Zephon reads one of them by its own precedence and skips the rest.
 * **Content** (:func:`open_source`, :class:`FormatFiles`): every data file of
-  the folder (name, size, SHA-256 through the same digest cache as JSONL/Parquet shards), the
+  the folder (name, size, SHA-256 through the same digest cache and manifest as JSONL/Parquet shards), the
   resume fingerprint's part for the source, so an edited, added or removed
   data file refuses an old state; the same files are watched while the loader
   runs (:meth:`~zephon_loader.pipeline.shards.SourceFiles.changes`).
@@ -56,7 +56,8 @@ from zephon_loader.config.schema import SOURCE_FORMATS, UNREAD_FORMATS
 from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline.object_store import is_url
-from zephon_loader.pipeline.shards import Identity, SourceFiles, _digests, _identity, files_by_format, refuse_mixed
+from zephon_loader.pipeline.digests import MANIFEST_NAME, lookup
+from zephon_loader.pipeline.shards import Identity, SourceFiles, _identity, files_by_format, refuse_mixed
 from zephon_loader.pipeline.shards import open_source as open_shards
 
 __all__ = ["FORMATS", "FormatFiles", "ShardFormat", "check_kind", "detect", "forget_catalogs", "formats_in",
@@ -229,7 +230,8 @@ def _lance_files(where: str, folder: Path) -> tuple[tuple[str, ...], tuple[str, 
         shards.append(f"data/{os.path.basename(data[0].path)}")
     # Every file of the dataset (manifests, transactions, deletion files, data): a new version, a deletion or an
     # edit changes the fingerprint.
-    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                   if p.is_file() and p != folder / MANIFEST_NAME)  # the digest manifest is not the dataset's
     return tuple(files), tuple(shards)
 
 
@@ -250,21 +252,27 @@ class FormatFiles(SourceFiles):
 
     Attributes:
         others: The data files that are not shards, relative to the folder.
-        other_identities: Their ``(size, mtime_ns, ctime_ns, inode, device)`` at the build.
-        other_digests: Their SHA-256 (hex).
+        other_identities: Their ``(size, mtime_ns, ctime_ns, inode, device)`` at the build (their digests
+            follow the shards' in ``digests``).
     """
 
     others: tuple[str, ...] = ()
     other_identities: tuple[Identity, ...] = ()
-    other_digests: tuple[str, ...] = ()
 
     def _other_files(self) -> SourceFiles:
         return SourceFiles(self.name, self.where, self.folder, self.others, self.kind, self.other_identities,
-                           self.other_digests, self.zephon_root)
+                           self.digests, self.zephon_root)
 
     def fingerprint(self) -> list[list[object]]:
-        """``[[file, size, sha256[:16]], ...]`` of the shard files, then of the other data files."""
-        return super().fingerprint() + self._other_files().fingerprint()
+        """``[[file, size, sha256[:16]], ...]`` of the shard files, then of the other data files (``digests``
+        holds both, in that order; waits for those still being computed)."""
+        return [[name, ident[0], digest[:16]] for name, ident, digest in
+                zip(self.files + self.others, self.identities + self.other_identities, self.digests.wait(),
+                    strict=True)]
+
+    def outline(self) -> list[list[object]]:
+        """``[[file, size], ...]`` of the shard files, then of the other data files."""
+        return super().outline() + self._other_files().outline()
 
     def changes(self) -> list[str]:
         """What changed in the shard files and the other data files since the build (empty: none)."""
@@ -300,12 +308,13 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
     shard_set = set(shards)
     others = tuple(n for n in files if n not in shard_set)
     identities = tuple(_identity(os.stat(os.path.join(real, n))) for n in shards + others)
-    digests, changed = _digests(Path(real), shards + others, identities)
+    digests, changed = lookup(Path(real), shards + others, identities)
     if changed:
+        digests.write_cache_now()
         forget_catalogs(kind, real, files)
     count = len(shards)
-    return FormatFiles(name, where, real, shards, kind, identities[:count], digests[:count], real,
-                       others=others, other_identities=identities[count:], other_digests=digests[count:])
+    return FormatFiles(name, where, real, shards, kind, identities[:count], digests, real,
+                       others=others, other_identities=identities[count:])
 
 
 def list_files(where: str, configured: str, folder: str | os.PathLike[str],

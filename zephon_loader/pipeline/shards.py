@@ -8,17 +8,19 @@ when a loader is built; every epoch's pipeline reads the same files:
   one format). Two sources on one folder (directly or through a symlink), or
   sharing a shard file (a hard link), are refused: every record would come twice.
 * **Content.** Each file's SHA-256 over all its bytes, the resume
-  fingerprint's shard part (:mod:`zephon_loader.fingerprint`). It is computed
-  once per file version and kept in the cache folder (:func:`cache_dir`)
-  keyed by the file's identity ``(size, mtime_ns, ctime_ns, inode, device)``:
-  any write to a file changes its ``ctime``, so a changed file is hashed again,
-  and a later build stats the files only. Hashing reads every byte once (about
-  the cost of Zephon's own record count without an index: see
-  ``benchmarks/bench_shard_scan.py``).
+  fingerprint's shard part (:mod:`zephon_loader.fingerprint`). The build reads
+  no shard byte for it (:mod:`zephon_loader.pipeline.digests`): a digest is
+  taken from the cache folder (:func:`cache_dir`, keyed by the file's identity
+  ``(size, mtime_ns, ctime_ns, inode, device)``: any write to a file changes
+  its ``ctime``, so a changed file is hashed again) or from the folder's digest
+  manifest (``zephon-loader index``), else computed in the background after the
+  first batch; ``state_dict()``/``load_state_dict()`` wait for them. Hashing
+  reads every byte once (about the cost of Zephon's own record count without
+  an index: see ``benchmarks/bench_shard_scan.py``).
 * **What Zephon reads** (:attr:`SourceFiles.zephon_root`): the source folder
   itself when it holds plain shards; a *view* in the cache folder when it holds
   compressed ones (``.jsonl.gz``, ``.zst``, ...): decoded copies and links to
-  the plain shards, keyed by the content, so nothing is written into the
+  the plain shards, keyed by the files' identities, so nothing is written into the
   data folder (it may be read-only) and a replaced ``.gz`` is decoded anew
   (Zephon's own decoder reuses a ``.raw`` copy beside the data by its size).
 * **Zephon's index and catalog.** An ``index.json`` in the folder (Zephon's
@@ -44,7 +46,6 @@ import os
 import shutil
 import tempfile
 import uuid
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ from pathlib import Path
 from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline import object_store
+from zephon_loader.pipeline.digests import Digests, lookup
 from zephon_loader.zephon_compat import compression_of, decompress_to, forget_catalog, jsonl_suffixes
 
 __all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "files_by_format", "list_shards", "open_source",
@@ -95,7 +97,9 @@ class SourceFiles:
         kind: ``"jsonl"`` | ``"parquet"``.
         identities: Per file, ``(size, mtime_ns, ctime_ns, inode, device)`` at the build; for a remote
             source ``(size, ETag, last change in ns)``.
-        digests: Per file, the SHA-256 (hex) of its bytes; for a remote object, of its ETag and size.
+        digests: Per file, the SHA-256 (hex) of its bytes (:class:`~zephon_loader.pipeline.digests.Digests`:
+            some may still be computed in the background; :meth:`fingerprint` waits for them); for a remote
+            object, of its ETag and size (known at build).
         zephon_root: The folder Zephon reads (``folder``, or the decoded view of compressed shards).
         readable: Per file, the path holding its records as plain text (the decoded copy of a
             compressed shard; the URL of a remote one), for re-reading a line on an error path.
@@ -107,7 +111,7 @@ class SourceFiles:
     files: tuple[str, ...]
     kind: str
     identities: tuple[tuple[object, ...], ...]
-    digests: tuple[str, ...]
+    digests: Digests
     zephon_root: str
     readable: tuple[str, ...] = field(default=())
 
@@ -118,10 +122,15 @@ class SourceFiles:
 
     def fingerprint(self) -> list[list[object]]:
         """``[[file name, size, sha256[:16]], ...]``: the resume fingerprint's part for this source; a remote
-        object's entry ends with ``"etag"`` (its digest is of the ETag, not of the bytes)."""
+        object's entry ends with ``"etag"`` (its digest is of the ETag, not of the bytes). Waits for digests
+        still being computed (:meth:`Digests.wait <zephon_loader.pipeline.digests.Digests.wait>`)."""
         mark = ["etag"] if self.remote else []
         return [[name, ident[0], digest[:16], *mark]
-                for name, ident, digest in zip(self.files, self.identities, self.digests, strict=True)]
+                for name, ident, digest in zip(self.files, self.identities, self.digests.wait(), strict=True)]
+
+    def outline(self) -> list[list[object]]:
+        """``[[file name, size], ...]``: the fingerprint's entries without the digests (known at build)."""
+        return [[name, ident[0]] for name, ident in zip(self.files, self.identities, strict=True)]
 
     def changes(self) -> list[str]:
         """What changed in the shard files since the build: ``["<path>: 4096 -> 2048 bytes", ...]`` (empty: none).
@@ -225,7 +234,9 @@ def shard_format(where: str, shown: str, names: Sequence[str]) -> tuple[tuple[st
 
 
 def open_source(name: str, where: str, configured: str, folder: str | os.PathLike[str]) -> SourceFiles:
-    """List, identify and hash one source's shards; check its Zephon index; make the view Zephon reads.
+    """List and identify one source's shards (their digests: known or to hash, :func:`~zephon_loader.pipeline.
+    digests.lookup`); check its Zephon index; make the view Zephon reads. Reads no shard byte unless some are
+    compressed (decoded into the view).
 
     Args:
         name: The source's name.
@@ -244,11 +255,13 @@ def open_source(name: str, where: str, configured: str, folder: str | os.PathLik
     resolved = Path(os.path.realpath(folder))
     stats = [os.stat(resolved / n) for n in files]
     identities = tuple(_identity(s) for s in stats)
-    digests, changed = _digests(resolved, files, identities)
+    digests, changed = lookup(resolved, files, identities)
     _check_local_index(where, resolved, files, kind, stats)
+    if changed:
+        digests.write_cache_now()  # those the manifest gave: this machine knows them from now on
     compressed = [compression_of(n) for n in files]
     if any(compressed):
-        root, readable = _decoded_view(resolved, files, compressed, digests)
+        root, readable = _decoded_view(resolved, files, compressed, identities)
     else:
         root, readable = str(resolved), tuple(str(resolved / n) for n in files)
     source = SourceFiles(name, where, str(resolved), files, kind, identities, digests, root, readable)
@@ -278,7 +291,7 @@ def _open_remote(name: str, where: str, configured: str) -> SourceFiles:
             raise ValueError(object_store.store_failure(where, f"{url}/{index}", error, "reading")) from None
         # An upload's time is not the content's (a sync may send index.json first): names and sizes only.
         _check_index(where, f"{url}/{index}", text, None, files, [(i[0], 0) for i in identities], kind, url)
-    digests = tuple(object_store.digest_of(i) for i in identities)
+    digests = Digests.of(tuple(object_store.digest_of(i) for i in identities))
     return SourceFiles(name, where, url, files, kind, identities, digests, url,
                        tuple(f"{url}/{n}" for n in files))
 
@@ -300,42 +313,6 @@ def check_distinct(sources: Sequence[SourceFiles]) -> None:
 
 def _name_of(source: SourceFiles, inode: tuple[int, int]) -> str:
     return next(os.path.join(source.folder, n) for n, i in zip(source.files, source.identities) if i[3:] == inode)
-
-
-# ----------------------------------------------------------------------------- content digests
-
-
-def _digests(folder: Path, files: Sequence[str], identities: Sequence[Identity]) -> tuple[tuple[str, ...], bool]:
-    """Each file's SHA-256, from the cache where its identity is unchanged; whether any was (re)computed."""
-    cache = cache_dir() / "digests" / (hashlib.sha256(os.fsencode(folder)).hexdigest()[:24] + ".json")
-    try:
-        known = json.loads(cache.read_text(encoding="utf-8"))
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
-    out, changed = [], False
-    for name, ident in zip(files, identities, strict=True):
-        entry = known.get(name)
-        if isinstance(entry, list) and len(entry) == 2 and entry[0] == list(ident):
-            out.append(str(entry[1]))
-            continue
-        with open(folder / name, "rb") as handle:
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        known[name] = [list(ident), digest]
-        out.append(digest)
-        changed = True
-    if changed:
-        fresh = {name: known[name] for name in files}
-        try:
-            from zephon_loader.state import write_json_atomically
-
-            write_json_atomically(cache, fresh)
-        except OSError as error:  # a read-only home: hashed again next time
-            warnings.warn(f"zephon_loader: cannot write the shard digest cache {cache} ({error}); the shards are "
-                          f"hashed again at every build; set {CACHE_ENV} to a writable folder", RuntimeWarning,
-                          stacklevel=3)
-    return tuple(out), changed
 
 
 # ----------------------------------------------------------------------------- Zephon's index
@@ -391,10 +368,12 @@ def _check_index(where: str, index: str, text: str, index_time: int | None, file
 
 
 def _decoded_view(folder: Path, files: Sequence[str], compressed: Sequence[str | None],
-                  digests: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+                  identities: Sequence[Identity]) -> tuple[str, tuple[str, ...]]:
     """A folder in the cache Zephon reads instead of ``folder``: ``000000-<name>.jsonl`` per shard, in order
-    (a decoded copy of a compressed shard, a symlink to a plain one); keyed by the shards' content."""
-    key = hashlib.sha256(json.dumps([os.fspath(folder), list(files), list(digests)]).encode()).hexdigest()[:24]
+    (a decoded copy of a compressed shard, a symlink to a plain one); keyed by the shards' identities
+    (``(size, mtime_ns, ctime_ns, inode, device)``: a replaced or rewritten file gets a new view)."""
+    key = hashlib.sha256(json.dumps([os.fspath(folder), list(files), [list(i) for i in identities]]).encode()
+                         ).hexdigest()[:24]
     views = cache_dir() / "views"
     view = views / key
     names = [f"{i:06d}-{_plain_name(n, c)}" for i, (n, c) in enumerate(zip(files, compressed, strict=True))]
