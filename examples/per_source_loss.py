@@ -11,6 +11,7 @@ Run it (the bundled demo corpus, a tiny bigram model, CPU, a few seconds)::
 
     python examples/per_source_loss.py --steps 20
     python examples/per_source_loss.py --steps 3 --json   # one JSON line per step
+    python examples/per_source_loss.py --config train.yaml   # your YAML (return_source_ids is turned on)
 
 Lightning and Hugging Face Trainer: see the README section "Per-source loss" (a few lines in
 ``training_step`` / ``compute_loss`` calling :func:`per_source_loss`).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,15 +76,27 @@ def demo_config() -> dict[str, Any]:
     return node
 
 
-def train(steps: int, *, seed: int = 0, on_step: Any = None) -> list[dict[str, Any]]:
-    """A plain training loop that logs each source's mean loss per step; returns one record per step."""
+def yaml_config(path: str) -> dict[str, Any]:
+    """Your YAML's ``dataloader`` node with ``return_source_ids: true`` (paths relative to the file)."""
+    import yaml
+
+    node = yaml.safe_load(Path(path).read_text())["dataloader"]
+    node.pop("_target_", None)
+    node.update(base_dir=str(Path(path).resolve().parent), return_source_ids=True)
+    return node
+
+
+def train(steps: int, *, seed: int = 0, on_step: Any = None, config: str | None = None) -> list[dict[str, Any]]:
+    """A plain training loop that logs each source's mean loss per step; returns one record per step.
+
+    ``config``: a YAML file (default: the bundled demo)."""
     torch.manual_seed(seed)
-    config = demo_config()
+    config = demo_config() if config is None else yaml_config(config)
     names = [source["name"] for source in config["sources"]]
     log = []
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(str(default_config_path().parent / config["tokenizer"]["path"])))
+    vocab = len(AutoTokenizer.from_pretrained(str(Path(config["base_dir"]) / config["tokenizer"]["path"])))
     with build_text_loader(config) as loader:
         model = Bigram(vocab)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -106,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
+    parser.add_argument("--config", default=None, help="your YAML file (default: the bundled demo)")
     args = parser.parse_args(argv)
-    for record in train(args.steps):
+    for record in train(args.steps, config=args.config):
         if args.json:
             print(json.dumps(record))
         else:

@@ -52,9 +52,12 @@ def _build(config: Path, rank: int, world: int, aggregate: str) -> Any:
     return build(cfg, dp_rank=rank, dp_world_size=world, pin_memory=False)
 
 
-def _read_state(path: Path) -> dict[str, Any]:
+def _read_state(path: Path, option: str = "--state") -> dict[str, Any]:
     from zephon_loader.state import read_state_file
 
+    if not Path(path).is_file():
+        raise ValueError(f"{option}: got {str(path)!r}, expected a state file written by loader.save_state (or "
+                         "zephon-loader skip); no such file")
     return read_state_file(path)
 
 
@@ -128,7 +131,7 @@ def skip(config: Path, state: Path, batches: int, out: Path, world: int = 1, tim
     from zephon_loader.state import save_state_file
     from zephon_loader.stats import LoaderStats
 
-    saved = _read_state(state)
+    saved = _read_state(state, "STATE")
     with tempfile.TemporaryDirectory(prefix="zephon-loader-skip-") as folder:
         tasks = [{"config": str(config), "state": str(state), "batches": batches, "rank": rank, "world": world,
                   "aggregate": str(Path(folder) / "aggregate"), "out": str(Path(folder) / f"rank{rank}.json")}
