@@ -20,6 +20,7 @@ The ``torchdata.nodes`` graph, one direction::
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 import threading
 import warnings
@@ -999,6 +1000,15 @@ def _release(read_ahead: ReadAhead, source: ZephonSource, on_close: Callable[[],
             on_close()
 
 
+#: Trainer integrations the loader calls at ``iter()`` once the trainer's package is imported (by the user's
+#: program): trainer module -> (integration module, function). Loaded by name: the integrations import the loader,
+#: the loader never imports them.
+TRAINER_HOOKS = {
+    "lightning.pytorch": ("zephon_loader.integrations.lightning", "attach_to_trainer"),
+    "accelerate": ("zephon_loader.integrations.accelerate", "check_under_accelerator"),
+}
+
+
 def _trainer_hooks(loader: ZephonLoader) -> None:
     """At ``iter()``: what a trainer already imported in this process needs of the loader.
 
@@ -1006,13 +1016,8 @@ def _trainer_hooks(loader: ZephonLoader) -> None:
     :class:`~zephon_loader.integrations.lightning.ZephonLoaderCallback` (added
     to the trainer when missing). Accelerate: refuse settings the loader cannot
     honour, warn when ``save_state`` would not save the loader. Neither is
-    imported unless the user's program already did.
+    imported unless the user's program already imported the trainer.
     """
-    if "lightning.pytorch" in sys.modules:
-        from zephon_loader.integrations.lightning import attach_to_trainer
-
-        attach_to_trainer(loader)
-    if "accelerate" in sys.modules:
-        from zephon_loader.integrations.accelerate import check_under_accelerator
-
-        check_under_accelerator(loader)
+    for trainer, (module, function) in TRAINER_HOOKS.items():
+        if trainer in sys.modules:
+            getattr(importlib.import_module(module), function)(loader)

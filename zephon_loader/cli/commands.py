@@ -10,7 +10,7 @@
 ``run`` and ``inspect`` take a text or an image-text config (:mod:`zephon_loader.cli.configs`
 tells them apart); ``inspect`` draws with :mod:`zephon_loader.cli.inspect`. ``index`` hashes a
 source folder's shards once and writes the digests with each file's size, mtime and ctime into
-the folder (:func:`zephon_loader.pipeline.digests.build_manifest`): a build on any machine then
+the folder (:func:`zephon_loader.pipeline.manifest.build_manifest`): a build on any machine then
 takes them from there instead of hashing the corpus (run it again after changing shards, as
 Zephon's ``build_index``).
 
@@ -232,7 +232,7 @@ def run(config: Path, steps: int | None, out=None) -> dict[str, Any]:
 
 def index(folders: Sequence[str], out=None) -> None:
     """Write each folder's digest manifest, one line per folder (files, bytes, seconds)."""
-    from zephon_loader.pipeline.digests import build_manifest
+    from zephon_loader.pipeline.manifest import build_manifest
 
     for folder in folders:
         start = time.perf_counter()

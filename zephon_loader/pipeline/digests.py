@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANIFEST_NAME", "Digests", "PendingShards", "build_manifest", "file_sha256", "lookup"]
+__all__ = ["CACHE_ENV", "MANIFEST_NAME", "Digests", "PendingShards", "cache_dir", "file_sha256", "lookup"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,73 +123,24 @@ def read_manifest(folder: Path) -> dict[str, tuple[int, int, int, str]] | None:
                          f"{index_command(folder)}, or delete it") from None
 
 
-def build_manifest(folder: str | os.PathLike[str], progress: Callable[[str, int], None] | None = None
-                   ) -> tuple[Path, int, int]:
-    """Hash every file a build of ``folder`` would fingerprint and write the manifest into it.
-
-    The files are listed as a build lists them (JSONL/Parquet shards; every data file of a LitData, Lance
-    or Vortex folder). Each is stat'ed before and after it is hashed: one that changed meanwhile stops the
-    command (nothing is written).
-
-    Args:
-        folder: A local source folder (object storage needs none: its ETags identify the objects).
-        progress: Called with each file name and its size after it was hashed.
-
-    Returns:
-        ``(manifest path, files, bytes hashed)``.
-
-    Raises:
-        ValueError: Not a folder a source reads, a URL, a file changed while hashed, or a folder that
-            cannot be written (naming what to do).
-    """
-    from zephon_loader.pipeline import formats, object_store, shards
-    from zephon_loader.state import write_json_atomically
-
-    shown = os.fspath(folder)
-    where = f"zephon-loader index {shown}"
-    if object_store.is_url(shown):
-        raise ValueError(f"{where}: got a URL, expected a local folder: objects on storage are identified by "
-                         "their ETags, listed at each build without reading a byte, so they need no manifest")
-    real = Path(os.path.realpath(folder))
-    if formats.owns(shown, real, None):
-        _, files, _ = formats.list_files(where, shown, real, None)
-    else:
-        files, _ = shards.list_shards(where, shown, real)
-    entries: dict[str, list[Any]] = {}
-    total = 0
-    for name in files:
-        path = real / name
-        before = _identity(path)
-        digest = file_sha256(path)
-        after = _identity(path)
-        if after != before:
-            raise ValueError(f"{where}: {_what_changed(os.fspath(path), before, after)} while it was hashed; "
-                             "run the command again when nothing writes to the shards")
-        entries[name] = [before[0], before[1], before[2], digest]
-        total += before[0]
-        if progress is not None:
-            progress(name, before[0])
-    manifest = real / MANIFEST_NAME
-    data = {"format": _MANIFEST_FORMAT, "version": _MANIFEST_VERSION,
-            "note": "SHA-256 of each file with the size, mtime_ns and ctime_ns it had when hashed; written by "
-                    "zephon-loader index; a file changed since is hashed again by the loader (run the command "
-                    "again after changing shards)",
-            "files": entries}
-    try:
-        write_json_atomically(manifest, data)
-    except OSError as error:
-        raise ValueError(f"{where}: cannot write {manifest} ({error}); run it as a user who may write into the "
-                         "folder (the one who built Zephon's index.json), or leave the folder without one: the "
-                         "loader then hashes the shards in the background on each new machine") from None
-    return manifest, len(entries), total
-
-
 # ----------------------------------------------------------------------------- the build's lookup
+
+#: Environment variable naming the cache folder (content digests, decoded views).
+CACHE_ENV = "ZEPHON_LOADER_CACHE"
+
+def cache_dir() -> Path:
+    """``$ZEPHON_LOADER_CACHE``, else ``$XDG_CACHE_HOME/zephon_loader``, else ``~/.cache/zephon_loader``.
+
+    Safe to delete between runs (it is rebuilt: digests by reading the shards again).
+    """
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zephon_loader"
 
 
 def _cache_file(folder: Path) -> Path:
-    from zephon_loader.pipeline.shards import cache_dir
-
     return cache_dir() / "digests" / (hashlib.sha256(os.fsencode(folder)).hexdigest()[:24] + ".json")
 
 
@@ -394,8 +345,6 @@ class Digests:
         try:
             write_json_atomically(self._cache, fresh)
         except OSError as error:  # a read-only home: hashed again next time
-            from zephon_loader.pipeline.shards import CACHE_ENV
-
             logger.warning("zephon_loader: cannot write the shard digest cache %s (%s); the shards are hashed "
                            "again on this machine at every build; set %s to a writable folder", self._cache,
                            error, CACHE_ENV)

@@ -53,32 +53,18 @@ from pathlib import Path
 from zephon_loader.errors import described_error as _described
 from zephon_loader.errors import field_error as _err
 from zephon_loader.pipeline import object_store
-from zephon_loader.pipeline.digests import Digests, lookup
+from zephon_loader.pipeline.digests import CACHE_ENV, Digests, cache_dir, lookup
 from zephon_loader.zephon_compat import compression_of, decompress_to, forget_catalog, jsonl_suffixes
 
 __all__ = ["CACHE_ENV", "SourceFiles", "cache_dir", "check_distinct", "files_by_format", "list_shards", "open_source",
            "refuse_mixed", "shard_format", "suffix_formats"]
 
-#: Environment variable naming the cache folder (content digests, decoded views).
-CACHE_ENV = "ZEPHON_LOADER_CACHE"
 _PARQUET_SUFFIX = ".parquet"
 _VORTEX_SUFFIXES = (".vortex",)
 _INDEX_NAMES = ("index.json", "_index.json")  # Zephon 0.2's discovery order
 
 #: ``(size, mtime_ns, ctime_ns, inode, device)`` of a file.
 Identity = tuple[int, int, int, int, int]
-
-
-def cache_dir() -> Path:
-    """``$ZEPHON_LOADER_CACHE``, else ``$XDG_CACHE_HOME/zephon_loader``, else ``~/.cache/zephon_loader``.
-
-    Safe to delete between runs (it is rebuilt: digests by reading the shards again).
-    """
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "zephon_loader"
 
 
 def _identity(stat: os.stat_result) -> Identity:
