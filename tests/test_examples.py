@@ -30,10 +30,10 @@ TIMEOUT_S = 240
 TINY = ["--hidden-size", "32", "--layers", "2"]
 
 
-def tiny_config(tmp_path: Path) -> Path:
+def tiny_config(tmp_path: Path, **settings) -> Path:
     """``examples/train.yaml`` with shorter rows, its relative paths still resolved against ``examples/``."""
     node = load_yaml(EXAMPLES / "train.yaml")["dataloader"]
-    node.update(base_dir=str(EXAMPLES), sequence_length=64, micro_batch_size=2)
+    node.update({"base_dir": str(EXAMPLES), "sequence_length": 64, "micro_batch_size": 2, **settings})
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump({"dataloader": node}))
     return path
@@ -65,20 +65,24 @@ def step_lines(stdout: str) -> list[str]:
 
     Found anywhere in the output: under torchrun two ranks' lines can run into one another.
     """
-    return re.findall(r"(?:rank \d+ )?step \d+ loss \S+ tokens \d+", stdout)
+    return re.findall(r"(?:rank \d+ )?step \d+ loss \S+ tokens \d+(?: epoch \d+)?", stdout)
 
 
-def test_train_loop_resumes_exactly(tmp_path):
-    script, config = str(EXAMPLES / "train_loop.py"), str(tiny_config(tmp_path))
-    full = step_lines(run([sys.executable, script, "--config", config, *TINY, "--steps", "6", "--save-every", "3",
+def test_train_loop_resumes_exactly_across_an_epoch(tmp_path):
+    """40 steps of 16 rows (a pass of the demo is about 30 such batches), resumed from step 20: into epoch 1."""
+    script = str(EXAMPLES / "train_loop.py")
+    config = str(tiny_config(tmp_path, sequence_length=256, micro_batch_size=16))
+    full = step_lines(run([sys.executable, script, "--config", config, *TINY, "--steps", "40", "--save-every", "20",
                            "--out", "full"], tmp_path))
-    assert [line.split()[1] for line in full] == ["1", "2", "3", "4", "5", "6"]
-    checkpoint = tmp_path / "full" / "step-3"
+    assert [int(line.split()[1]) for line in full] == list(range(1, 41))
+    epochs = [line.split()[-1] for line in full]
+    assert epochs[19] == "0" and epochs[-1] == "1"
+    checkpoint = tmp_path / "full" / "step-20"
     assert sorted(p.name for p in checkpoint.iterdir()) == ["loader.pt", "training.pt"]
-    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["step-3", "step-6"]
-    resumed = step_lines(run([sys.executable, script, "--config", config, *TINY, "--steps", "6",
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["step-20", "step-40"]
+    resumed = step_lines(run([sys.executable, script, "--config", config, *TINY, "--steps", "40",
                               "--resume", str(checkpoint), "--out", "resumed"], tmp_path))
-    assert resumed == full[3:]
+    assert resumed == full[20:]
 
 
 def test_lightning_resumes_exactly(tmp_path):
