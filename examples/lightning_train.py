@@ -8,9 +8,6 @@ resumed run trains the uninterrupted run's batches from the checkpoint on. The m
     python examples/lightning_train.py --steps 20 --save-every 10 --out runs/lightning
     python examples/lightning_train.py --steps 20 --out runs/lightning-resumed \\
         --resume "runs/lightning/epoch=0-step=10.ckpt"
-
-Several GPUs: ``torchrun --nproc_per_node N examples/lightning_train.py ...`` (the loader takes each
-rank's lanes from torchrun's environment).
 """
 
 from __future__ import annotations
