@@ -1,4 +1,4 @@
-"""Accelerate: ``prepare`` with the loader, ``checkpoint_loaders``, and ``save_state`` / ``load_state`` resuming exactly.
+"""Accelerate: ``prepare`` with the loader, ``checkpoint_loaders``, ``save_state`` / ``load_state`` resuming exactly.
 
 ``accelerator.prepare`` returns the loader unchanged (each process already reads its own lanes);
 ``checkpoint_loaders(accelerator, loader)`` makes ``accelerator.save_state(folder)`` write each process's

@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer: ``ZephonTrainer`` with ``max_steps``, ``save_strategy="steps"`` and ``resume_from_checkpoint``.
+"""Hugging Face Trainer: ``ZephonTrainer`` with ``max_steps``, ``save_strategy="steps"``, ``resume_from_checkpoint``.
 
 ``zephon_loader.hf.ZephonTrainer`` is ``transformers.Trainer`` taking ``train_loader=`` instead of
 ``train_dataset=``: batches reach the model as the loader yields them, every checkpoint folder also holds
