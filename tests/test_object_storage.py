@@ -270,7 +270,8 @@ def test_an_endpoint_with_credentials_is_never_printed(s3, tokenizer_dir, monkey
 
 
 @pytest.mark.parametrize("value", ["127.0.0.1:{port}", "trainer:hunter2-endpoint@127.0.0.1:{port}",
-                                   "ftp://127.0.0.1:{port}", "http://:{port}/?X-Amz-Signature=hunter2-endpoint"])
+                                   "ftp://127.0.0.1:{port}", "http://:{port}/?X-Amz-Signature=hunter2-endpoint",
+                                   "http://127.0.0.1:{port}/?X-Amz-Credential=hunter2-endpoint"])
 def test_an_endpoint_without_a_scheme_is_one_clear_error_naming_the_variable(s3, tokenizer_dir, monkeypatch, value):
     """One without a scheme raised a Rust ``PanicException`` (a ``BaseException``: it escaped ``except Exception``)
     naming neither the variable nor the source; it is checked before any store is made."""

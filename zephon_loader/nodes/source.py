@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -373,6 +374,7 @@ class ZephonSource(BaseNode):
         self._reading = 0  # index of the stream being read
         self._carry: list[dict[str, Any]] = []  # what the current epoch began with (a restart reads it again)
         self._pending_carry: list[dict[str, Any]] | None = None  # carry_over(): for the next reset(None)
+        self._warned_pinned = False  # the warning of a pinned epoch's dropped carry, once
         self._owned = _owned_lanes(pipeline)
         if phases is not None and pipeline_for_epoch is not None:
             raise ValueError("phases: a mixture schedule reads one endless stream; expected no pipeline_for_epoch")
@@ -513,7 +515,17 @@ class ZephonSource(BaseNode):
                 self._carry = []
             # A pass of epoch e from its beginning reads all of e again: what an earlier pass of e left is in it
             # (set_epoch(e) pinned before every pass: the chain stays one pipeline, its epochs unique).
-            self._carry = [link for link in self._carry if link[self.EPOCH_KEY] != self._next_epoch]
+            kept = [link for link in self._carry if link[self.EPOCH_KEY] != self._next_epoch]
+            if len(kept) != len(self._carry) and not self._warned_pinned:
+                self._warned_pinned = True
+                warnings.warn(
+                    f"zephon_loader: epoch {self._next_epoch} starts again from its beginning (set_epoch chose the "
+                    "epoch the previous pass read): what the data-parallel ranks had left of that earlier pass is "
+                    "not carried into this one (it would be read twice), so ranks whose lanes hold more batches "
+                    "than the shortest rank's never reach their later ones in such passes. Let the epoch advance "
+                    "(do not set the same epoch again), or set distributed.even_passes: false",
+                    RuntimeWarning, stacklevel=2)
+            self._carry = kept
             links = [(link[self.EPOCH_KEY], link[self.STATE_KEY], link.get(self.SKIP_KEY) or {})
                      for link in self._carry]
             self._wanted_phase, self._phase_batches = 0, {}

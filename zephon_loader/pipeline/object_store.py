@@ -142,8 +142,8 @@ def check_keys(where: str, url: str, keys: Sequence[str]) -> None:
 
 
 def check_endpoint() -> None:
-    """Refuse an ``S3_ENDPOINT_URL`` that is not ``http(s)://host[:port]`` before any store is made: one without a
-    scheme made obstore panic (a ``PanicException``, which ``except Exception`` does not catch) naming neither
+    """Refuse an ``S3_ENDPOINT_URL`` that is not ``http(s)://host[:port]`` (no path, query or fragment) before any
+    store is made: one without a scheme made obstore panic (a ``PanicException``, which ``except Exception`` does not catch) naming neither
     the variable nor the source.
 
     Raises:
@@ -155,12 +155,16 @@ def check_endpoint() -> None:
     parsed = urllib.parse.urlsplit(value)
     try:
         parsed.port  # noqa: B018 - raises on a port that is not a number
-        valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        # A path, query or fragment is not part of an endpoint: the client would build object URLs on it and
+        # find no shard, naming the prefix instead of the variable.
+        valid = (parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.path in ("", "/")
+                 and not parsed.query and not parsed.fragment)
     except ValueError:
         valid = False
     if not valid:
         raise ValueError(_err(ENDPOINT_ENV, redact(value), "http://host:port or https://host:port (the address of "
-                                                           "the S3-compatible store, with its scheme)",
+                                                           "the S3-compatible store, with its scheme, without a "
+                                                           "path or query)",
                               f"Set e.g. {ENDPOINT_ENV}=http://127.0.0.1:9000, or unset it for AWS S3; credentials "
                               f"go in {_CHECK_CREDENTIALS}, not in the URL."))
 
