@@ -116,7 +116,7 @@ class MixturePhase:
 
 @dataclass(frozen=True)
 class MixtureSchedule:
-    """``mixture: {schedule: [...]}``: weights that change at steps or token counts (README, "Mixture schedules").
+    """``mixture: {schedule: [...]}``: weights that change at steps or token counts (docs/training-data.md, "Mixture schedules").
 
     Attributes:
         schedule: The phases in order (see :class:`MixturePhase`). Each phase is its own Zephon stream with its
@@ -187,7 +187,7 @@ def available_cores() -> int:
 
 
 #: ``runner: auto`` runs Zephon ``inline`` on at most this many cores (its worker threads would compete with the
-#: loader's for the GIL: 152k vs 244k tokens/s direct on 2 cores, README "Loader overhead"), ``threads`` above.
+#: loader's for the GIL: 152k vs 244k tokens/s direct on 2 cores, docs/benchmarks.md, "Loader overhead"), ``threads`` above.
 INLINE_MAX_CORES = 2
 
 
@@ -244,11 +244,11 @@ class RuntimeConfig(RunnerOptions):
         tokenize_parallelism: Tokenizing calls Zephon keeps in flight, of 8 records
             each (``None``: from the cores this process may use, half of them,
             1 to 4: 1 on 2 cores). Fewer calls: the first batch waits for fewer
-            documents and less text is held in memory (see README, "Memory and
+            documents and less text is held in memory (see docs/benchmarks.md, "Memory and
             first batch"). Each call runs on one thread on 1 or 2 cores: there
             the loader switches the ``tokenizers`` library's own thread pool off
             for the process (``TOKENIZERS_PARALLELISM=false``) unless the
-            environment sets that variable (README, "Loader overhead").
+            environment sets that variable (docs/benchmarks.md, "Loader overhead and the Zephon runner").
     """
 
     runner: Literal["auto", "threads", "inline", "process", "ray"] = "auto"
@@ -382,7 +382,7 @@ class LoaderConfig:
         xdoc: Cross-document attention inside each row.
         return_packed_sequence_metadata: Also yield the gathered-token bundle.
         return_source_ids: Also yield ``source_ids``, int64 ``[B, S]``: the mixture source each input token
-            came from (its index in ``sources``; ``-1`` at padding), for per-source loss (README, "Per-source loss").
+            came from (its index in ``sources``; ``-1`` at padding), for per-source loss (docs/training-data.md, "Per-source loss").
         mask_cross_document_labels: Mask the label at each subdocument's last
             token (its target is the next document). ``None``: on unless xdoc.
         seed: Zephon mixture/shuffle seed.
@@ -408,7 +408,7 @@ class LoaderConfig:
             the open rows and delivers a short batch (padded to ``micro_batch_size``). ``None``
             (default): Zephon's cadence at the largest chunk size, 8 chunks of up to 16,384 records,
             for text shortened to about 1,024 batches of shard bytes (one token a byte) when an epoch
-            is longer (README, "Resume"). ``0``: Zephon's cadence, never shortened (resumes a state
+            is longer (docs/benchmarks.md, "Resume: the first batch after load_state_dict"). ``0``: Zephon's cadence, never shortened (resumes a state
             saved before that default).
         read_ahead: Batches collated and finalized ahead of the training loop
             in a background thread (0 = none); resume stays exact.
