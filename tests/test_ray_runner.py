@@ -15,6 +15,7 @@ seconds on a busy machine, so the tokenize stage runs 2 actors here.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -252,8 +253,11 @@ class _RayTrainer:
         script.write_text(RAY_TRAINER)
         path.write_text(json.dumps(config))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # SIGINT as a terminal leaves it: a test run started in the background (a CI job) inherits it ignored, and
+        # Python then never raises KeyboardInterrupt (tests/test_cli.py does the same).
         self.proc = subprocess.Popen([sys.executable, str(script), str(path), mode], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         self._reader = threading.Thread(
