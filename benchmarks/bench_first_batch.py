@@ -46,6 +46,19 @@ import time
 from pathlib import Path
 
 
+
+def _stdlib_config(corpus: object) -> dict:
+    """The loader every measurement here builds: the stdlib corpus at ``corpus``, the bundled tokenizer, 8 x 2048."""
+    from zephon_loader.config import package_data_dir
+
+    return {
+        "sources": [{"name": "stdlib", "path": str(corpus)}],
+        "tokenizer": {"path": str(package_data_dir() / "tokenizer")},
+        "sequence_length": 2048,
+        "micro_batch_size": 8,
+        "packing": {"algorithm": "wrap"},
+    }
+
 def make_corpus(folder: Path, files: int) -> tuple[int, int]:
     """Write up to ``files`` stdlib sources as JSONL shards; returns (documents, bytes)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,15 +115,8 @@ def cold_child(corpus: Path) -> None:
     import transformers  # noqa: F401 - loaded before the timed part, as in a training script
 
     from zephon_loader import build_text_loader
-    from zephon_loader.config import package_data_dir
 
-    config = {
-        "sources": [{"name": "stdlib", "path": str(corpus)}],
-        "tokenizer": {"path": str(package_data_dir() / "tokenizer")},
-        "sequence_length": 2048,
-        "micro_batch_size": 8,
-        "packing": {"algorithm": "wrap"},
-    }
+    config = _stdlib_config(corpus)
     read_before = _read_bytes()
     start = time.perf_counter()
     with build_text_loader(config) as loader:
@@ -186,15 +192,8 @@ def child(corpus: Path, setting: str) -> None:
     import torch
 
     from zephon_loader import build_text_loader
-    from zephon_loader.config import package_data_dir
 
-    config = {
-        "sources": [{"name": "stdlib", "path": str(corpus)}],
-        "tokenizer": {"path": str(package_data_dir() / "tokenizer")},
-        "sequence_length": 2048,
-        "micro_batch_size": 8,
-        "packing": {"algorithm": "wrap"},
-    }
+    config = _stdlib_config(corpus)
     setting, *suffixes = setting.split("+")
     if "endless" in suffixes:
         config["passes"] = None

@@ -8,11 +8,13 @@ asserts each exited 0, showing the traceback it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import time
+import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -46,3 +48,14 @@ def run_ranks(target: Callable[..., Any], arguments: Sequence[tuple], errors: Se
                 process.join(30)
     for index, (process, error) in enumerate(zip(processes, errors)):
         assert process.exitcode == 0, error.read_text() if error.exists() else f"{what} process {index}: exit {process.exitcode}"
+
+
+@contextlib.contextmanager
+def error_file(path: Path) -> Iterator[None]:
+    """In a rank process: write the traceback of whatever escapes the block to ``path`` (what :func:`run_ranks`
+    shows when that process fails), then let it propagate."""
+    try:
+        yield
+    except BaseException:
+        path.write_text(traceback.format_exc())
+        raise

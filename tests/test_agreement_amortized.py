@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 from pathlib import Path
 
 import pytest
-from spawned_ranks import free_port, run_ranks
+from spawned_ranks import error_file, free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed")
 
@@ -48,7 +47,7 @@ def _config(sources, tokenizer_dir: str, read_ahead: int, run_id: str) -> dict:
 
 def _rank(rank: int, port: int, task: dict) -> None:
     out = Path(task["out"]) / f"rank{rank}.json"
-    try:
+    with error_file(out.with_suffix(".error")):
         import torch
         import torch.distributed as dist
 
@@ -106,9 +105,6 @@ def _rank(rank: int, port: int, task: dict) -> None:
         PassAgreement.WINDOW = default_window
         dist.destroy_process_group()
         out.write_text(json.dumps({"window": default_window, "runs": results}))
-    except BaseException:
-        out.with_suffix(".error").write_text(traceback.format_exc())
-        raise
 
 
 def test_amortized_agreement_keeps_the_ranks_in_step_with_fewer_collectives(tmp_path, jsonl_sources, tokenizer_dir):

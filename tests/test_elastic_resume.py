@@ -21,12 +21,11 @@ import dataclasses
 import json
 import multiprocessing as mp
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from spawned_ranks import run_ranks
+from spawned_ranks import error_file, run_ranks
 
 READ_AHEADS = (0, 2)
 LANES = 2
@@ -53,7 +52,7 @@ def _rows(batch) -> list[list[int]]:
 def _rank(task: dict) -> None:
     """One rank of one phase; writes ``{read_ahead: {...}}`` as JSON to ``task['out']``."""
     out = Path(task["out"])
-    try:
+    with error_file(out.with_suffix(".error")):
         from zephon_loader.build import build_text_loader
         from zephon_loader.nodes.readahead import ReadAhead
 
@@ -83,9 +82,6 @@ def _rank(task: dict) -> None:
                     loader.load_state_dict(saved)
                     results[read_ahead] = {"rest": [row for batch in loader for row in _rows(batch)]}
         out.write_text(json.dumps(results))
-    except BaseException:
-        out.with_suffix(".error").write_text(traceback.format_exc())
-        raise
 
 
 def _run(tasks: list[dict]) -> list[dict]:
@@ -175,7 +171,7 @@ def test_lane_ownership_matches_zephons_own_mapping(dp, lanes, strategy):
 def _scale_rank(task: dict) -> None:
     """One rank of the 8 -> 2 -> 4 test: ``head`` batches, a state (collective), then the rest; stats along."""
     out = Path(task["out"])
-    try:
+    with error_file(out.with_suffix(".error")):
         from zephon_loader.build import build_text_loader
 
         results = {}
@@ -197,9 +193,6 @@ def _scale_rank(task: dict) -> None:
                 results[read_ahead] = {"head": head, "state": state, "rest": rest, "at_state": at_state,
                                        "at_end": loader.stats()}
         out.write_text(json.dumps(results))
-    except BaseException:
-        out.with_suffix(".error").write_text(traceback.format_exc())
-        raise
 
 
 def test_eight_to_two_to_four_ranks_is_exact_with_stats_that_add_up(tmp_path, sources, tokenizer_dir):

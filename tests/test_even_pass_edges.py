@@ -24,14 +24,13 @@ from __future__ import annotations
 import json
 import os
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 
 from conftest import write_jsonl_shards
-from spawned_ranks import free_port, run_ranks
+from spawned_ranks import error_file, free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed")
 
@@ -64,7 +63,7 @@ def _rows(batch) -> list[list[int]]:
 
 def _rank(rank: int, port: int, scenario: str, task: dict) -> None:
     out = Path(task["out"])
-    try:
+    with error_file(out / f"rank{rank}.error"):
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -75,9 +74,6 @@ def _rank(rank: int, port: int, scenario: str, task: dict) -> None:
         if scenario != "alone":  # there rank 1 never joins the loader's group: leave without a collective
             dist.barrier()
             dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
 
 
 def _run(tmp_path: Path, scenario: str, task: dict) -> list[dict]:

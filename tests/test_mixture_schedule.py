@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
-import traceback
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from spawned_ranks import run_ranks
+from spawned_ranks import error_file, run_ranks
 
 ENDS = (3, 6)  # phase 0: steps 1-3, phase 1: 4-6, phase 2: 7 on
 CUTS = (2, 3, 4, 5, 6, 7)  # before, at and after each boundary
@@ -194,7 +193,7 @@ def test_a_past_or_the_current_phase_may_not_change(sources, tokenizer_dir):
 def _rank(task: dict) -> None:
     """One rank: ``full`` (states at every cut, batches with their lanes) or ``resume`` (each cut's state)."""
     out = Path(task["out"])
-    try:
+    with error_file(out.with_suffix(".error")):
         from zephon_loader.build import build_text_loader
 
         def config(run: str) -> dict:
@@ -229,9 +228,6 @@ def _rank(task: dict) -> None:
                                                     else task["steps"] * (TOTAL - cut)),
                                     "stats": loader.stats()}
         out.write_text(json.dumps(results))
-    except BaseException:
-        out.with_suffix(".error").write_text(traceback.format_exc())
-        raise
 
 
 def _run(tasks: list[dict]) -> list[dict]:

@@ -14,11 +14,10 @@ rank: that rank's steps), with the skipped count in ``stats()`` and the skip rec
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
 
 import pytest
-from spawned_ranks import run_ranks
+from spawned_ranks import error_file, run_ranks
 
 TAKEN = 2  # steps before the state
 SKIP = 3  # steps skipped after it
@@ -42,7 +41,7 @@ def _worker(task: dict) -> None:
     """One rank: ``mode`` "run" (uninterrupted: provenance of every step, state after TAKEN, the rest),
     "skip" (load the state, skip SKIP, AFTER batches), "resume" (load the state, the rest)."""
     out = Path(task["out"])
-    try:
+    with error_file(out.with_suffix(".error")):
         from zephon_loader.build import build_text_loader
 
         cfg = _config(task["sources"], task["tokenizer"], task.get("aggregate"), task.get("run", "t"))
@@ -68,9 +67,6 @@ def _worker(task: dict) -> None:
                 result["batches"] = [_rows(batch) for batch in loader]
                 result["stats"] = loader.stats()
         out.write_text(json.dumps(result))
-    except BaseException:
-        out.with_suffix(".error").write_text(traceback.format_exc())
-        raise
 
 
 def _run(tasks: list[dict]) -> list[dict]:
