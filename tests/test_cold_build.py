@@ -217,9 +217,12 @@ def test_a_shard_changed_before_it_was_hashed_is_named_by_state_dict(tmp_path, m
                                                                     corpus_texts):
     folder = corpus(tmp_path / "c", 1, corpus_texts)
     fresh_cache(monkeypatch, tmp_path, "cache")
+    counter = ReadCounter(folder)  # the hashing thread waits at its first open until the shard was rewritten
+    counter.install(monkeypatch)
     with build_text_loader(config(folder, tokenizer_dir, read_ahead=0)) as loader:
         next(iter(loader))
         rewrite_middle_same_size(folder / "part-00005.jsonl")
+        counter.release()
         with pytest.raises(ValueError, match=r"shard changed while the loader ran \(.*part-00005\.jsonl: rewritten "
                                              r"\(same size, modified\)\) before its SHA-256 was computed"):
             loader.state_dict()
