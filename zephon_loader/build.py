@@ -150,6 +150,7 @@ def build_loader(
         single_rank_by_default=dp.defaulted,
         # Ranks in step at every pass end (a pass without end needs no agreement).
         even_passes=cfg.passes is not None and cfg.distributed.even_passes and dp.size > 1,
+        state_scope=cfg.distributed.state_scope,
         **stage.loader_kwargs(),
     )
     close_first = getattr(stage, "close_first", None)

@@ -38,7 +38,7 @@ from zephon_loader.nodes.lanes import Lanes
 from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.pipeline.provenance import describe_rows, raw_provenance
-from zephon_loader.state import STATE_FORMAT, LoaderState
+from zephon_loader.state import STATE_FORMAT, LoaderState, lane_ranges, merge_states
 from zephon_loader.stats import LoaderStats, batch_source_counts
 
 __all__ = ["STATE_FORMAT", "EpochHook", "ImageLoader", "ZephonLoader"]
@@ -157,9 +157,14 @@ class ZephonLoader:
         stats: LoaderStats | None = None,
         single_rank_by_default: bool = False,
         even_passes: bool = False,
+        state_scope: str = "job",
     ) -> None:
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ValueError(f"read_ahead: got {read_ahead!r}, expected an int >= 0")
+        if state_scope not in ("job", "rank"):
+            raise ValueError(f"state_scope: got {state_scope!r}, expected 'job' or 'rank'")
+        #: ``"rank"``: :meth:`state_dict` holds this rank's lanes, without a collective (``distributed.state_scope``).
+        self.state_scope = state_scope
         self.settings = settings
         self._fingerprint = dict(fingerprint or {})
         self._shard_digests = shard_digests  # the fingerprint's shard digests, until they are known
@@ -748,12 +753,16 @@ class ZephonLoader:
         After :meth:`set_consumed`, the position after that many batches of the pass. Its fingerprint carries
         every shard's SHA-256: digests still being hashed in the background are waited for (a long wait is
         logged once, naming ``zephon-loader index``, which makes them known at build).
+
+        ``distributed.state_scope: job`` (default): every lane, the same on every rank; a collective (every
+        rank calls it at the same step). ``rank``: the lanes this rank owns (``lanes``), no collective: each
+        rank saves its own (docs/distributed.md, "Per-rank state").
         """
         self._await_digests()
         with self._state_lock:
             self._check_open()
             if self._pending is not None:
-                return copy.deepcopy(self._pending.to_dict())
+                return copy.deepcopy(self._scoped(self._pending).to_dict())
             lag = 0
             if self._started:
                 lag = self._consumer_lag()
@@ -764,11 +773,15 @@ class ZephonLoader:
             if self._stats is not None:
                 counts = [raw.get(F.SOURCE_COUNTS) for raw in handed_back]
                 extra = (STATS_ROUND_KEY, self._stats.round_value([c for c in counts if c]), LoaderStats.merge)
-            source_state, stats = self._source.state_at(anchor, skip, extra)
+            source_state, stats = self._source.state_at(anchor, skip, extra, local=self.state_scope == "rank")
             pass_ended = self._exhausted and lag == 0
             # An ended pass records what the next one reads first; a pass in progress what it began with.
-            return self._state_of(source_state, stats, pass_ended=pass_ended,
-                                  carry=self._source.pending_carry if pass_ended else None).to_dict()
+            return self._scoped(self._state_of(source_state, stats, pass_ended=pass_ended,
+                                               carry=self._source.pending_carry if pass_ended else None)).to_dict()
+
+    def _scoped(self, state: LoaderState) -> LoaderState:
+        """``state`` as :meth:`state_dict` returns it: cut to this rank's lanes with ``state_scope: rank``."""
+        return state.for_lanes(self._lanes.owned_lanes()) if self.state_scope == "rank" else state
 
     def _state_of(self, source_state: Mapping[str, Any], stats: Any, *, pass_ended: bool,
                   carry: list[dict[str, Any]] | None) -> LoaderState:
@@ -812,30 +825,56 @@ class ZephonLoader:
                       f"come again on resume; if they were trained, {fix}", RuntimeWarning, stacklevel=3)
         return lag
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:
         """Resume from :meth:`state_dict` output at the next ``iter()``.
 
         Any ``read_ahead`` and, within ``canonical_replicas``, any DP size may
         have saved it. The shard digests are compared whole: digests this
         build did not find (cache, manifest) are hashed first, and waited for.
 
+        Per-rank states (``distributed.state_scope: rank``): this rank's own
+        state at the same DP size; at another DP size a list of every old
+        rank's state (a rank keeps the lanes it owns now). A state of every lane
+        (``job``) loads into either scope.
+
         Raises:
-            TypeError: Not a mapping.
+            TypeError: Not a mapping (or a list of them).
             ValueError: Empty, another or a retired format, a different
                 configuration (the differing keys are named), a corrupt Zephon
-                checkpoint or one with another lane count, or malformed
-                accounting. Never a silent fresh start.
+                checkpoint or one with another lane count, malformed
+                accounting, states of different steps, or states that miss a
+                lane this rank needs (named, with the fix). Never a silent fresh start.
         """
         self._await_digests()
         with self._state_lock:
             self._check_open()
-            self._pending = LoaderState.from_dict(
-                state_dict,
-                fingerprint=self.fingerprint,
-                canonical_replicas=self._lanes.canonical_replicas,
-                check_checkpoint=lambda checkpoint: self._source.validate_state({ZephonSource.STATE_KEY: checkpoint}),
-                stats=self._stats,
-            )
+            lanes = self._lanes.canonical_replicas
+            if isinstance(state_dict, (list, tuple)):
+                if not state_dict:
+                    raise ValueError("load_state_dict: got an empty list, expected the state of every rank "
+                                     "(distributed.state_scope: rank) or one state")
+                loaded = []
+                for index, state in enumerate(state_dict):
+                    try:
+                        loaded.append(self._loaded(state))
+                    except (TypeError, ValueError) as error:
+                        raise type(error)(f"states[{index}]: {error}") from error
+                pending = merge_states(loaded, lanes)
+            else:
+                pending = self._loaded(state_dict)
+            needed = self._lanes.owned_lanes() if self.state_scope == "rank" else frozenset(range(lanes))
+            missing = needed - set(pending.lanes if pending.lanes is not None else range(lanes))
+            if missing:
+                dp_rank, dp_size = self._lanes.data_parallel
+                raise ValueError(
+                    f"load_state_dict: the state holds lanes {lane_ranges(pending.lanes or [])} of {lanes}, "
+                    f"expected also {lane_ranges(missing)} ("
+                    + (f"the lanes dp_rank {dp_rank} of {dp_size} owns" if self.state_scope == "rank" else
+                       "every lane: distributed.state_scope is 'job'")
+                    + "): per-rank states (distributed.state_scope: rank) resume at another data-parallel size "
+                    "from every rank's state; pass them all: loader.load_state_dict([state of rank 0, rank 1, "
+                    "...]) or loader.load_state('<folder>/loader-*.pt')")
+            self._pending = self._scoped(pending)
             self._generation += 1  # a live iterator would go on with the old stream: it is stale now
 
     def save_state(self, path: str | Any) -> None:
@@ -843,23 +882,51 @@ class ZephonLoader:
 
         JSON when the name ends in ``.json``, else ``torch.save`` (it loads
         with ``torch.load(path, weights_only=True)``). A full disk or a signal
-        mid-write leaves the previous file at ``path`` whole. A collective
-        like ``state_dict()``: every rank calls it at the same step (every
-        rank's state is the same: one path on a shared disk, or one per rank).
+        mid-write leaves the previous file at ``path`` whole. ``{dp_rank}`` in
+        ``path`` is this rank's DP rank (``"ckpt/loader-{dp_rank}.pt"``).
+        ``state_scope: job``: a collective like ``state_dict()``, every rank's
+        state the same (one path on a shared disk, or one per rank);
+        ``rank``: each rank saves its own lanes (put ``{dp_rank}`` in the path).
+
+        Raises:
+            ValueError: ``state_scope: rank`` and a path without ``{dp_rank}`` on several ranks (each
+                rank's file would replace the others').
         """
         from zephon_loader.state import save_state_file
 
-        save_state_file(path, self.state_dict())
+        dp_rank, dp_size = self._lanes.data_parallel
+        text = str(path)
+        if "{dp_rank}" not in text and self.state_scope == "rank" and dp_size > 1:
+            raise ValueError(f"save_state: got {text!r} at {dp_size} data-parallel ranks with "
+                             "distributed.state_scope: rank, expected a path with {dp_rank} in it "
+                             "(e.g. 'ckpt/loader-{dp_rank}.pt'): each rank saves its own lanes")
+        save_state_file(text.replace("{dp_rank}", str(dp_rank)) if "{dp_rank}" in text else path, self.state_dict())
 
     def load_state(self, path: str | Any) -> None:
-        """:meth:`load_state_dict` of the file :meth:`save_state` wrote.
+        """:meth:`load_state_dict` of the file :meth:`save_state` wrote, or of several: a list of paths, or a
+        pattern with ``*`` or ``{dp_rank}`` (``"ckpt/loader-*.pt"``, ``"ckpt/loader-{dp_rank}.pt"``: every
+        rank's file of a per-rank state, which resumes at any DP size).
 
         Raises:
-            FileNotFoundError: No file at ``path``.
+            FileNotFoundError: No file at ``path`` (a pattern: none matches).
             ValueError: An unreadable file (naming it), or a state ``load_state_dict`` refuses.
         """
+        import glob
+
         from zephon_loader.state import read_state_file
 
+        if isinstance(path, (list, tuple)):
+            self.load_state_dict([read_state_file(p) for p in path])
+            return
+        text = str(path)
+        if "*" in text or "{dp_rank}" in text:
+            pattern = text.replace("{dp_rank}", "*")
+            paths = sorted(glob.glob(pattern))
+            if not paths:
+                raise FileNotFoundError(f"load_state: no file matches {pattern!r}; expected the files "
+                                        "save_state wrote")
+            self.load_state_dict([read_state_file(p) for p in paths])
+            return
         self.load_state_dict(read_state_file(path))
 
     # -- shutdown -----------------------------------------------------------------------

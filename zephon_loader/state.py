@@ -20,11 +20,15 @@ pickle-safe (plain dicts, lists, ints, bools, strings)::
      "stats": {...} | None,                # LoaderStats.state_dict(), every lane; None without accounting
      "phase": {"index": k, "batches": {"<lane>": int}},  # a mixture schedule's phase of the checkpoint and
                                            # each lane's batches in it (absent without a schedule)
+     "lanes": [int, ...],                  # the lanes it holds (absent: every lane)
      "checksum": "sha256:<64 hex>"}        # over the canonical JSON of every other key (content_checksum)
 
-The state holds no batch and nothing tied to a rank: it is the same on every
-rank of a job, and its size does not depend on the number of ranks (beyond
-Zephon's own per-lane part).
+With ``distributed.state_scope: job`` (the default) the state holds every
+lane and nothing tied to a rank: it is the same on every rank of a job. With
+``rank`` it holds the lanes of one rank (``lanes``): every lane-keyed part
+(Zephon's checkpoints, ``skip``, the counts) is cut to them, so its size is
+O(lanes / ranks); :func:`merge_states` joins several such states (an elastic
+resume), :meth:`LoaderState.for_lanes` cuts one.
 
 What a check needs from the loader (its fingerprint, its lane count, its
 source's checkpoint check, its accounting) is passed to
@@ -47,8 +51,9 @@ from typing import Any, Callable, Mapping
 from zephon_loader.fingerprint import describe_difference
 from zephon_loader.nodes.source import checked_epoch, checked_link, checked_skip
 from zephon_loader.stats import LoaderStats
+from zephon_loader.zephon_compat import checkpoint_lanes, lanes_of_checkpoint, merge_lane_checkpoints
 
-__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum",
+__all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum", "lane_ranges", "merge_states",
            "read_state_file", "save_state_file", "write_atomically", "write_json_atomically"]
 
 #: Version tag of a saved state (its ``format``); bumped on incompatible changes.
@@ -98,6 +103,8 @@ class LoaderState:
             a state whose pass ended, what the next pass reads first.
         stats: :meth:`LoaderStats.state_dict` of the delivered counts, every
             lane's, or ``None`` for a loader built without accounting.
+        phase: A mixture schedule's phase and each lane's batches in it (``None`` without a schedule).
+        lanes: The lanes the state holds, sorted; ``None``: every lane (``distributed.state_scope: job``).
 
     :meth:`to_dict` adds ``checksum`` (:func:`content_checksum` of the other
     keys); :meth:`from_dict` refuses a state whose content no longer matches it.
@@ -113,14 +120,50 @@ class LoaderState:
     carry: list[dict[str, Any]]
     stats: dict[str, Any] | None
     phase: dict[str, Any] | None = None
+    lanes: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The state as a plain dict, one key per field in field order (``phase`` only with a schedule), then
-        ``checksum``; the values are this state's own (not copied)."""
+        """The state as a plain dict, one key per field in field order (``phase`` only with a schedule, ``lanes``
+        only when it holds some lanes), then ``checksum``; the values are this state's own (not copied)."""
         state = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                 if not (field.name == "phase" and self.phase is None)}
+                 if not (field.name in ("phase", "lanes") and getattr(self, field.name) is None)}
         state["checksum"] = content_checksum(state)
         return state
+
+    def for_lanes(self, lanes: Any) -> "LoaderState":
+        """This state cut to ``lanes`` (a subset of what it holds): Zephon's checkpoints (the current one and each
+        carried link's), ``skip``, the per-lane counts and the phase's batches; the job-wide fields as they are.
+
+        Raises:
+            ValueError: A lane of ``lanes`` the state does not hold.
+        """
+        wanted = sorted({int(lane) for lane in lanes})
+        if self.lanes is not None and not set(wanted) <= set(self.lanes):
+            raise ValueError(f"state_dict.lanes: the state holds lanes {lane_ranges(self.lanes)}, expected "
+                             f"{lane_ranges(set(wanted) - set(self.lanes))} too")
+        if self.lanes == wanted:
+            return self
+        keep = set(wanted)
+
+        def cut_skip(skip: Mapping[str, int]) -> dict[str, int]:
+            return {lane: n for lane, n in skip.items() if int(lane) in keep}
+
+        def cut_checkpoint(checkpoint: Mapping[str, Any] | None) -> dict[str, Any] | None:
+            return None if checkpoint is None else lanes_of_checkpoint(checkpoint, keep)
+
+        def cut_links(links: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [{**link, "zephon_checkpoint": cut_checkpoint(link["zephon_checkpoint"]),
+                     "skip": cut_skip(link.get("skip") or {})} for link in links]
+
+        stats = self.stats
+        if stats is not None:
+            stats = {**stats, "lanes": {lane: entry for lane, entry in stats["lanes"].items() if int(lane) in keep}}
+        phase = self.phase
+        if phase is not None:
+            phase = {"index": phase["index"], "batches": cut_skip(phase["batches"])}
+        return dataclasses.replace(self, zephon_checkpoint=cut_checkpoint(self.zephon_checkpoint),
+                                   skip=cut_skip(self.skip), carried=cut_links(self.carried),
+                                   carry=cut_links(self.carry), stats=stats, phase=phase, lanes=wanted)
 
     @classmethod
     def from_dict(
@@ -257,6 +300,7 @@ class LoaderState:
             carry=chains["carry"],
             stats=_checked_stats(state.get("stats"), stats),
             phase=_checked_phase(state.get("phase"), canonical_replicas),
+            lanes=_checked_lanes(state, canonical_replicas),
         )
 
 
@@ -266,7 +310,131 @@ _TAMPERED = ("the state was not made by ZephonLoader.state_dict() (edited, and i
 
 #: Keys a state may lack, with the value that stands for them (documented: states of format 4 saved before epochs;
 #: ``phase``: a loader without a mixture schedule).
-_OPTIONAL = {"epoch": 0, "pass_ended": False, "phase": None}
+_OPTIONAL = {"epoch": 0, "pass_ended": False, "phase": None, "lanes": None}
+
+
+def lane_ranges(lanes: Any) -> str:
+    """``[0-3, 8, 10-11]``: sorted lanes with runs folded (a message names 1,024 lanes in a line)."""
+    ordered, parts = sorted(int(lane) for lane in lanes), []
+    for lane in ordered:
+        if parts and parts[-1][1] == lane - 1:
+            parts[-1][1] = lane
+        else:
+            parts.append([lane, lane])
+    return "[" + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) + "]"
+
+
+def _checked_lanes(state: Mapping[str, Any], canonical_replicas: int) -> list[int] | None:
+    """A state's ``lanes`` (``None``: every lane): sorted distinct ints in ``[0, canonical_replicas)``, and every
+    lane-keyed part of the state within them (the current Zephon checkpoint holding exactly them)."""
+    value = state.get("lanes")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not value
+            or any(isinstance(lane, bool) or not isinstance(lane, int) for lane in value)
+            or value != sorted(set(value)) or value[0] < 0 or value[-1] >= canonical_replicas):
+        raise ValueError(f"state_dict.lanes: got {str(value)[:80]}, expected a sorted list of distinct lanes in "
+                         f"[0, {canonical_replicas}) (the lanes a rank's state holds); {_TAMPERED}")
+    held = set(value)
+    checkpoint = state.get("zephon_checkpoint")
+    if checkpoint is not None and checkpoint_lanes(checkpoint) != held:
+        raise ValueError(f"state_dict.zephon_checkpoint: holds lanes {lane_ranges(checkpoint_lanes(checkpoint))}, "
+                         f"expected the state's lanes {lane_ranges(held)}; {_TAMPERED}")
+    parts = [("skip", state.get("skip") or {})]
+    for key in ("carried", "carry"):
+        for index, link in enumerate(state.get(key) or []):
+            parts.append((f"{key}[{index}].skip", link.get("skip") or {}))
+            if link.get("zephon_checkpoint") is not None:
+                parts.append((f"{key}[{index}].zephon_checkpoint", checkpoint_lanes(link["zephon_checkpoint"])))
+    if isinstance(state.get("stats"), Mapping):
+        parts.append(("stats.lanes", state["stats"].get("lanes") or {}))
+    if isinstance(state.get("phase"), Mapping):
+        parts.append(("phase.batches", state["phase"].get("batches") or {}))
+    for where, lanes in parts:
+        outside = {int(lane) for lane in lanes} - held
+        if outside:
+            raise ValueError(f"state_dict.{where}: holds lanes {lane_ranges(outside)} beyond the state's lanes "
+                             f"{lane_ranges(held)}; {_TAMPERED}")
+    return list(value)
+
+
+def merge_states(states: list[LoaderState], canonical_replicas: int) -> LoaderState:
+    """One state holding the lanes of every state of ``states``: several ranks' states (``state_scope: rank``) of
+    one instant of a job, each checked by :meth:`LoaderState.from_dict`. A lane held by two states must be the
+    same in both (model-parallel peers of one data-parallel rank save the same lanes). ``lanes`` is ``None`` when
+    they cover every lane.
+
+    Raises:
+        ValueError: States of different instants (epoch, pass end, schedule phase, Zephon's round, the pipelines
+            a pass still reads), or a lane with two different positions; each names ``states[i]``.
+    """
+    first = states[0]
+    for index, state in enumerate(states[1:], start=1):
+        for name in ("epoch", "pass_ended"):
+            if getattr(state, name) != getattr(first, name):
+                raise ValueError(f"load_state_dict: states[{index}].{name} is {getattr(state, name)!r}, "
+                                 f"states[0].{name} {getattr(first, name)!r}; expected the states every rank saved "
+                                 "at one step of one job")
+        steps = [(s.stats or {}).get("steps") for s in (first, state)]
+        if None not in steps and steps[0] != steps[1]:
+            raise ValueError(f"load_state_dict: states[{index}] was taken after {steps[1]} step(s) of its pass, "
+                             f"states[0] after {steps[0]}; expected the states every rank saved at one step of "
+                             "one job")
+        if (state.phase or {}).get("index") != (first.phase or {}).get("index"):
+            raise ValueError(f"load_state_dict: states[{index}] is in phase {(state.phase or {}).get('index')} of the "
+                             f"schedule, states[0] in {(first.phase or {}).get('index')}; expected one step of one job")
+        for key in ("carried", "carry"):
+            ours, theirs = getattr(first, key), getattr(state, key)
+            if [link["epoch"] for link in ours] != [link["epoch"] for link in theirs]:
+                raise ValueError(f"load_state_dict: states[{index}].{key} holds epochs "
+                                 f"{[link['epoch'] for link in theirs]}, states[0].{key} "
+                                 f"{[link['epoch'] for link in ours]}; expected one step of one job")
+
+    def union(parts: list[Mapping[str, Any]], where: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for index, part in enumerate(parts):
+            for lane, value in part.items():
+                if lane in out and out[lane] != value:
+                    raise ValueError(f"load_state_dict: states[{index}].{where}[{lane}] is {value!r}, an earlier "
+                                     f"state's {out[lane]!r}; expected one step of one job")
+                out.setdefault(lane, value)
+        return {lane: out[lane] for lane in sorted(out, key=int)}
+
+    def merged_checkpoint(checkpoints: list[Any]) -> dict[str, Any] | None:
+        present = [checkpoint for checkpoint in checkpoints if checkpoint is not None]
+        if not present:
+            return None
+        if len(present) != len(checkpoints):
+            raise ValueError("load_state_dict: some states are at the start of the epoch and others are not; "
+                             "expected the states every rank saved at one step of one job")
+        try:
+            return merge_lane_checkpoints(present)
+        except ValueError as error:
+            raise ValueError(f"load_state_dict: {error}; expected the states every rank saved at one step of one "
+                             "job") from error
+
+    def merged_links(key: str) -> list[dict[str, Any]]:
+        return [{"epoch": links[0]["epoch"],
+                 "zephon_checkpoint": merged_checkpoint([link["zephon_checkpoint"] for link in links]),
+                 "skip": union([link.get("skip") or {} for link in links], f"{key}[{i}].skip")}
+                for i, links in enumerate(zip(*(getattr(state, key) for state in states)))]
+
+    lanes: set[int] = set()
+    for state in states:
+        lanes |= set(state.lanes) if state.lanes is not None else set(range(canonical_replicas))
+    stats = None
+    if all(state.stats is not None for state in states):
+        stats = LoaderStats.merge([{"owned": state.lanes, **state.stats} for state in states])
+    phase = None
+    if first.phase is not None:
+        phase = {"index": first.phase["index"],
+                 "batches": union([state.phase["batches"] for state in states if state.phase], "phase.batches")}
+    return dataclasses.replace(
+        first,
+        zephon_checkpoint=merged_checkpoint([state.zephon_checkpoint for state in states]),
+        skip=union([state.skip for state in states], "skip"),
+        carried=merged_links("carried"), carry=merged_links("carry"), stats=stats, phase=phase,
+        lanes=None if len(lanes) == canonical_replicas else sorted(lanes))
 
 
 def schedule_as_of(fingerprint: Mapping[str, Any], saved: Any) -> Mapping[str, Any]:

@@ -12,7 +12,9 @@ upgrade is checked in this file.
 * Checkpoints: :func:`check_engine_state` (Zephon's checkpoint schema),
   :func:`release_rounds` (what an engine retains of its last round),
   :func:`local_position` and :func:`checkpoint_at` (a checkpoint as of an
-  earlier batch: the position before the loader's read-ahead).
+  earlier batch: the position before the loader's read-ahead);
+  :func:`local_checkpoint`, :func:`checkpoint_lanes`, :func:`lanes_of_checkpoint`
+  and :func:`merge_lane_checkpoints` (a rank's own lanes, no collective).
 * Cross-rank rounds: :func:`round_coordinator`, :func:`aggregate_round`
   (the transport of Zephon's own checkpoint collective).
 * Errors and logs: :func:`worker_crash_info` (an operator's error re-raised
@@ -49,7 +51,11 @@ __all__ = [
     "explained_window_warnings",
     "import_ray_runner",
     "jsonl_suffixes",
+    "checkpoint_lanes",
+    "lanes_of_checkpoint",
+    "local_checkpoint",
     "local_position",
+    "merge_lane_checkpoints",
     "read_object",
     "release_rounds",
     "round_coordinator",
@@ -255,6 +261,96 @@ def checkpoint_at(
     merged = dict(merged)
     value = merged.pop(key, None)
     return merged, value
+
+
+#: Zephon 0.2's checkpoint entries keyed by lane (``EngineStateV2``): a rank restores only the lanes it owns from
+#: them (``Engine.load_state_dict`` reads owned lanes only; ``progress``, ``lane_next_cid`` and ``lane_ws_state``
+#: are required for each, the others optional).
+LANE_KEYED = ("progress", "lane_next_cid", "lane_ws_state", "inflight", "replay_cursors", "epoch_boundaries",
+              "lane_emitted")
+
+
+def local_checkpoint(pipeline: Any, local: Mapping[str, Any]) -> dict[str, Any]:
+    """Zephon's checkpoint of this rank's lanes at the position ``local`` (a :func:`local_position`); no collective.
+
+    What :func:`checkpoint_at` sends into Zephon's round, without the round: the shard with the round
+    bookkeeping (``last_round_id``, ``checkpoint_reload_count``) of this instant. It restores the lanes it
+    holds (:func:`lanes_of_checkpoint`); a job's shards merge with :func:`merge_lane_checkpoints`.
+    """
+    engine = pipeline._engine
+    shard = dict(local)
+    shard["last_round_id"] = engine._last_round_id
+    shard["checkpoint_reload_count"] = engine._checkpoint_reload_count
+    return shard
+
+
+def checkpoint_lanes(checkpoint: Mapping[str, Any]) -> frozenset[int]:
+    """The lanes a Zephon checkpoint holds (its ``progress`` keys; a merged checkpoint: every lane)."""
+    return frozenset(int(lane) for lane in (checkpoint.get("progress") or {}))
+
+
+def lanes_of_checkpoint(checkpoint: Mapping[str, Any], lanes: Any) -> dict[str, Any]:
+    """A copy of ``checkpoint`` holding only ``lanes``: its lane-keyed entries (:data:`LANE_KEYED`) cut to them,
+    and of ``rr_next_idx`` (Zephon's round-robin position per owner, keyed ``"<worker>/<active>:<lanes>"``) the
+    entries of owners whose lanes are among them. Everything else is job-wide and kept."""
+    wanted = {int(lane) for lane in lanes}
+    out = dict(checkpoint)
+    for key in LANE_KEYED:
+        entries = checkpoint.get(key)
+        if isinstance(entries, Mapping):
+            out[key] = {lane: value for lane, value in entries.items() if int(lane) in wanted}
+    rr = checkpoint.get("rr_next_idx")
+    if isinstance(rr, Mapping):
+        out["rr_next_idx"] = {key: value for key, value in rr.items() if _rr_lanes(key) <= wanted}
+    return out
+
+
+def _rr_lanes(key: Any) -> set[int]:
+    """The lanes of a ``rr_next_idx`` key (``Engine._rr_key``: ``"<worker>/<active>:<lane>,<lane>,..."``)."""
+    try:
+        return {int(lane) for lane in str(key).split(":", 1)[1].split(",") if lane}
+    except (IndexError, ValueError):
+        return {-1}  # not Zephon 0.2's format: kept only by a checkpoint of every lane
+
+
+def merge_lane_checkpoints(checkpoints: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One Zephon checkpoint holding the lanes of each of ``checkpoints`` (ranks' :func:`local_checkpoint`, or
+    cuts of them), without a collective or an engine: what ``Engine._merge_state_dicts`` makes of a round's shards,
+    for the lanes given (not necessarily all).
+
+    Raises:
+        ValueError: Another lane count, another round (``last_round_id`` or ``checkpoint_reload_count``: not one
+            instant of one job), or a lane in two of them with different entries. Each names the checkpoints.
+    """
+    from zephon._internal.checkpoint import EngineStateV2
+
+    first = checkpoints[0]
+    for index, checkpoint in enumerate(checkpoints[1:], start=1):
+        for key in ("last_round_id", "checkpoint_reload_count"):
+            if checkpoint.get(key) != first.get(key):
+                raise ValueError(f"states[{index}]: Zephon's {key} is {checkpoint.get(key)!r}, states[0]'s "
+                                 f"{first.get(key)!r}: not the same instant of one job")
+        lanes = (checkpoint.get("world") or {}).get("canonical_replicas")
+        if lanes != (first.get("world") or {}).get("canonical_replicas"):
+            raise ValueError(f"states[{index}]: canonical_replicas {lanes!r}, states[0]'s "
+                             f"{(first.get('world') or {}).get('canonical_replicas')!r}")
+    merged = dict(first)
+    merged["world"] = {"canonical_replicas": (first.get("world") or {}).get("canonical_replicas"),
+                       "world_size": (first.get("world") or {}).get("world_size")}
+    for key in (*LANE_KEYED, "rr_next_idx"):
+        union: dict[Any, Any] = {}
+        origin: dict[str, int] = {}
+        for index, checkpoint in enumerate(checkpoints):
+            for lane, value in (checkpoint.get(key) or {}).items():
+                name = str(lane)
+                if name in origin and union[name] != value:
+                    raise ValueError(f"states[{index}] and states[{origin[name]}]: both hold {key}[{name}], with "
+                                     "different values: not one instant of one job")
+                origin.setdefault(name, index)
+                union.setdefault(name, value)
+        merged[key] = {(int(lane) if key != "rr_next_idx" else lane): value for lane, value in union.items()}
+    EngineStateV2.load(merged)  # Zephon's schema holds
+    return merged
 
 
 def release_rounds(pipeline: Any) -> None:

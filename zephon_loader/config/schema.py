@@ -353,6 +353,13 @@ class DistributedConfig:
             process group iterates the loader (else ``AgreementError`` at the
             first batch) and has a batch in each pass (else ``EmptyRankError``):
             build a loader read on some ranks only with ``dp_world_size=1``.
+        state_scope: What ``state_dict()`` holds. ``job`` (default): every
+            lane, the same on every rank (a collective; any rank's state
+            resumes any rank: what Lightning, Accelerate and the HF Trainer
+            save, rank 0's). ``rank``: the lanes this rank owns, no collective,
+            O(lanes / ranks) bytes; every rank saves its own (AutoModel's per-DP-rank
+            files, ``torch.distributed.checkpoint``, ``save_state("...{dp_rank}...")``);
+            at another DP size load every rank's state (docs/distributed.md).
     """
 
     canonical_replicas: int | None = None
@@ -360,6 +367,7 @@ class DistributedConfig:
     aggregate_store: str | None = None
     run_id: str | None = None
     even_passes: bool = True
+    state_scope: Literal["job", "rank"] = "job"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -87,6 +87,11 @@ def checkpoint_loaders(accelerator: Any, *loaders: ZephonLoader) -> list[Any]:
 
     def load(models: Any, input_dir: str) -> None:
         for index, loader in enumerate(loaders):
+            if loader.state_scope == "rank":  # each process saved its lanes: every process's file, at any size
+                files = sorted(Path(input_dir).glob(STATE_FILE.format(index=index, rank="*")))
+                if files:
+                    loader.load_state_dict([json.loads(f.read_text()) for f in files])
+                    continue
             file = path(input_dir, index)
             if not file.is_file():
                 raise FileNotFoundError(
@@ -123,6 +128,14 @@ def check_under_accelerator(loader: ZephonLoader) -> None:
         return
     _check_batch_settings(accelerator)
     _check_processes(accelerator, loader)
+    registered = any(obj is loader for obj in getattr(accelerator, "_custom_objects", []))
+    if registered and loader.state_scope == "rank" and loader.dp_world_size > 1:
+        raise ValueError(
+            "distributed.state_scope: got 'rank' for a loader registered with accelerator.register_for_checkpointing, "
+            "expected 'job' there: Accelerate saves registered objects on the main process only, so the state "
+            "would hold that process's lanes and the others could not resume. Use checkpoint_loaders(accelerator, "
+            "loader) (one file per process), or distributed.state_scope: job"
+        )
     if loader in checkpointed or loader in _warned or any(obj is loader for obj in getattr(accelerator, "_custom_objects", [])):
         return
     _warned.add(loader)

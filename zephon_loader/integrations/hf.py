@@ -58,6 +58,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from typing import Any, Iterator, Mapping
 
 try:
@@ -353,7 +354,8 @@ class ZephonTrainer(Trainer):
         # Read (and refuse) before the Trainer loads anything; loaded into the loader by get_train_dataloader.
         self._resume_state = (
             None if resume_from_checkpoint is None
-            else read_loader_state(str(resume_from_checkpoint), self.args.process_index)
+            else read_loader_state(str(resume_from_checkpoint), self.args.process_index,
+                                   every_rank=self.train_loader.state_scope == "rank")
         )
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -399,19 +401,26 @@ class ZephonTrainer(Trainer):
             ))
 
 
-def read_loader_state(checkpoint: str, process_index: int) -> dict[str, Any]:
+def read_loader_state(checkpoint: str, process_index: int,
+                      every_rank: bool = False) -> dict[str, Any] | list[dict[str, Any]]:
     """The loader state :class:`ZephonTrainer` saved in a Trainer checkpoint folder, for ``process_index``.
 
     A process reads its own rank's file; a process without one (the run
-    resumes at more processes than saved it) reads rank 0's: every rank's
-    state carries Zephon's merged checkpoint and every rank's read-ahead
-    batches tagged by lane (``ZephonLoader.state_dict``), so any of them
-    resumes any rank.
+    resumes at more processes than saved it) reads rank 0's: a state of
+    ``distributed.state_scope: job`` holds every lane, so any of them
+    resumes any rank. ``every_rank`` (``state_scope: rank``): every rank's
+    file, as a list (``ZephonLoader.load_state_dict`` keeps the lanes this
+    rank owns, at any number of processes).
 
     Raises:
         ValueError: No such file, not this module's format, or a step that is
             not the checkpoint's (``trainer_state.json``).
     """
+    if every_rank:
+        ranks = sorted(int(match.group(1)) for name in os.listdir(checkpoint)
+                       if (match := re.fullmatch(STATE_FILE.format(rank=r"(\d+)").replace(".", r"\."), name)))
+        if ranks:
+            return [read_loader_state(checkpoint, rank) for rank in ranks]
     path = os.path.join(checkpoint, STATE_FILE.format(rank=process_index))
     if not os.path.isfile(path):
         path = os.path.join(checkpoint, STATE_FILE.format(rank=0))

@@ -129,6 +129,13 @@ def attach_to_trainer(loader: ZephonLoader) -> None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, _FitLoop):
             trainer = owner.trainer
+            if loader.state_scope == "rank" and trainer.world_size > 1:
+                raise ValueError(
+                    f"distributed.state_scope: got 'rank' under a Lightning Trainer of {trainer.world_size} "
+                    "processes, expected 'job': Lightning writes its checkpoint on rank 0 only, so the loader state "
+                    "in it would hold rank 0's lanes and the other ranks could not resume. Leave "
+                    "distributed.state_scope at its default, 'job'"
+                )
             if any(isinstance(callback, ZephonLoaderCallback) for callback in trainer.callbacks):
                 return
             if any(item is loader for item in zephon_loaders(trainer.train_dataloader)):

@@ -36,6 +36,7 @@ from zephon_loader.zephon_compat import (
     checkpoint_at,
     close_engine,
     explained_window_warnings,
+    local_checkpoint,
     local_position,
     release_rounds,
     worker_crash_info,
@@ -607,20 +608,22 @@ class ZephonSource(BaseNode):
                         copy.deepcopy(self._carry), self.phase, self._phase_batches)
 
     def state_at(self, position: Position, skip: Mapping[tuple[int, int], int] | None = None,
-                 extra: tuple[str, Any, Callable[[list[Any]], Any]] | None = None) -> tuple[dict[str, Any], Any]:
+                 extra: tuple[str, Any, Callable[[list[Any]], Any]] | None = None,
+                 local: bool = False) -> tuple[dict[str, Any], Any]:
         """The state of ``position`` plus ``skip[(epoch, lane)]`` batches delivered after it, and ``extra``
         merged across ranks in the round of the current pipeline. A collective: one Zephon round per
-        pipeline of the chain.
+        pipeline of the chain (``local``: none, and the state holds this rank's lanes only).
 
         Args:
             position: From :meth:`position` on this source, in the current pass.
             skip: ``(epoch, lane)`` -> batches delivered after ``position`` (this rank's lanes).
             extra: ``(key, value, merge)`` as :func:`~zephon_loader.zephon_compat.checkpoint_at` takes it.
+            local: This rank's lanes, without a round (``merge`` sees this rank's value alone).
 
         Returns:
             ``(state, merged extra or None)``; the state as the class docstring shows.
         """
-        links, merged_extra = self._links_at(position, skip, extra)
+        links, merged_extra = self._links_at(position, skip, extra, local=local)
         *carried, current = links
         state: dict[str, Any] = {self.STATE_KEY: current[self.STATE_KEY]}
         if current[self.SKIP_KEY]:
@@ -661,15 +664,17 @@ class ZephonSource(BaseNode):
 
     def _links_at(self, position: Position, skip: Mapping[tuple[int, int], int] | None,
                   extra: tuple[str, Any, Callable[[list[Any]], Any]] | None,
-                  quiet: bool = False) -> tuple[list[dict[str, Any]], Any]:
+                  quiet: bool = False, local: bool = False) -> tuple[list[dict[str, Any]], Any]:
         """Zephon's checkpoint of each pipeline of the chain at ``position`` (one collective round each).
 
         ``quiet``: a position the loader keeps for itself (the carry): Zephon's mid-window warning is dropped.
+        ``local``: this rank's lanes only, no round (:func:`~zephon_loader.zephon_compat.local_checkpoint`).
         """
         merged_extra = None
         links = []
         last = len(position.streams) - 1
-        for index, (stream, local, pending) in enumerate(position.streams):
+        local_only = local
+        for index, (stream, shard, pending) in enumerate(position.streams):
             mine = dict(pending)
             for (epoch, lane), count in (skip or {}).items():
                 if epoch == stream.epoch:
@@ -700,8 +705,11 @@ class ZephonSource(BaseNode):
                 return {"skip": merged_skip, "phase_batches": merged_phase,
                         "extra": with_extra[2]([v["extra"] for v in present]) if with_extra is not None else None}
 
-            with explained_window_warnings(taken=not quiet):
-                checkpoint, merged = checkpoint_at(stream.pipeline, local, extra=(self.ROUND_KEY, value, merge))
+            if local_only:
+                checkpoint, merged = local_checkpoint(stream.pipeline, shard), merge([value])
+            else:
+                with explained_window_warnings(taken=not quiet):
+                    checkpoint, merged = checkpoint_at(stream.pipeline, shard, extra=(self.ROUND_KEY, value, merge))
             if index == last:
                 merged_extra = merged["extra"]
                 self._merged_phase_batches = {lane: int(n) for lane, n in sorted(
