@@ -1,7 +1,7 @@
 """What a data-parallel job pays the loader per rank as it grows: state, checkpoint traffic, pass agreement.
 
     python benchmarks/bench_scale.py [--ranks 1,2,4,8,16] [--lanes 1,8] [--files 200] [--seq 512] [--batch 2]
-                                     [--calls 3] [--passes 1] [--step-ms 0]
+                                     [--calls 3] [--passes 1] [--step-ms 0] [--scope job,rank]
 
 For each N in ``--ranks`` and each factor f in ``--lanes``, N processes on this
 machine form a gloo process group on loopback (as ``torchrun`` would:
@@ -9,7 +9,9 @@ machine form a gloo process group on loopback (as ``torchrun`` would:
 ``aggregate_store: torch://``) and each builds the loader with
 ``distributed.canonical_replicas`` = f·N, ``runtime.runner: threads`` (a
 light runner: 16-32 ranks share this machine's cores), wrap packing,
-``read_ahead`` 2 and ``passes: 1``, over the Python standard library's
+``read_ahead`` 2, ``passes: 1`` and each ``distributed.state_scope`` of
+``--scope`` (``job``: every lane in every rank's state, a collective;
+``rank``: a rank's own lanes, no collective), over the Python standard library's
 sources as JSONL (``--files`` files in 4 shards). Each rank then
 
 1. reads ``--passes`` whole passes (``--step-ms``: sleeping that long per
@@ -141,7 +143,7 @@ def _instrument(counters: _Counters) -> None:
         _get, _get_many, _set, _set_if_absent, _append)
 
 
-def _rank(rank: int, world: int, lanes: int, port: int, args: dict, out: str) -> None:
+def _rank(rank: int, world: int, lanes: int, scope: str, port: int, args: dict, out: str) -> None:
     try:
         import torch.distributed as dist
 
@@ -159,7 +161,8 @@ def _rank(rank: int, world: int, lanes: int, port: int, args: dict, out: str) ->
             "micro_batch_size": args["batch"],
             "packing": {"algorithm": "wrap"},
             "runtime": {"runner": "threads"},
-            "distributed": {"canonical_replicas": lanes, "run_id": f"bench-scale-{world}-{lanes}"},
+            "distributed": {"canonical_replicas": lanes, "run_id": f"bench-scale-{world}-{lanes}-{scope}",
+                            "state_scope": scope},
         }
         result: dict = {}
         with build_text_loader(config) as loader:
@@ -209,6 +212,7 @@ def _rank(rank: int, world: int, lanes: int, port: int, args: dict, out: str) ->
             result["store_read"] = counters.store_read / args["calls"]
             result["state_dict_s"] = statistics.median(times)
             result["state_json_bytes"] = len(json.dumps(state))
+            result["lanes_in_state"] = len(state.get("lanes") or range(lanes))
         config["distributed"]["run_id"] += "-load"
         with build_text_loader(config) as other:
             times = []
@@ -225,11 +229,11 @@ def _rank(rank: int, world: int, lanes: int, port: int, args: dict, out: str) ->
         raise
 
 
-def measure(world: int, lanes: int, args: dict, folder: Path) -> list[dict]:
+def measure(world: int, lanes: int, scope: str, args: dict, folder: Path) -> list[dict]:
     context = mp.get_context("spawn")
     port = _free_port()
-    outs = [str(folder / f"n{world}-l{lanes}-rank{rank}.json") for rank in range(world)]
-    processes = [context.Process(target=_rank, args=(rank, world, lanes, port, args, outs[rank]))
+    outs = [str(folder / f"n{world}-l{lanes}-{scope}-rank{rank}.json") for rank in range(world)]
+    processes = [context.Process(target=_rank, args=(rank, world, lanes, scope, port, args, outs[rank]))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -253,12 +257,13 @@ def _fit(xs: list[float], values: list[float]) -> tuple[float, float]:
     return mean_v - slope * mean_x, slope
 
 
-def summarize(world: int, lanes: int, results: list[dict]) -> dict:
+def summarize(world: int, lanes: int, scope: str, results: list[dict]) -> dict:
     zero = results[0]
     batches = [sum(r["batches_per_pass"]) for r in results]
     return {
-        "N": world, "L": lanes,
-        "state_kB": zero["state_json_bytes"] / 1e3,
+        "N": world, "L": lanes, "scope": scope,
+        "state_kB": max(r["state_json_bytes"] for r in results) / 1e3,
+        "lanes_in_state": max(r["lanes_in_state"] for r in results),
         "store_kB": sum(r["store_sent"] + r["store_read"] for r in results) / 1e3,
         "state_dict_ms": zero["state_dict_s"] * 1e3,
         "load_ms": zero["load_state_dict_s"] * 1e3,
@@ -271,12 +276,12 @@ def summarize(world: int, lanes: int, results: list[dict]) -> dict:
     }
 
 
-HEADER = ("| N | L | state/rank (kB JSON) | store traffic per state_dict() (kB, all ranks) | state_dict() ms | "
+HEADER = ("| N | L | scope | lanes in a state | state/rank (kB JSON, largest) | store traffic per state_dict() (kB, all ranks) | state_dict() ms | "
           "load_state_dict() ms | collectives/batch | in collectives ms/batch | in _agree ms/batch | batches/rank per pass |")
 
 
 def row(s: dict) -> str:
-    return (f"| {s['N']} | {s['L']} | {s['state_kB']:.1f} | {s['store_kB']:.1f} | {s['state_dict_ms']:.0f} | "
+    return (f"| {s['N']} | {s['L']} | {s['scope']} | {s['lanes_in_state']} | {s['state_kB']:.1f} | {s['store_kB']:.1f} | {s['state_dict_ms']:.0f} | "
             f"{s['load_ms']:.1f} | {s['collectives_per_batch']:.3f} | {s['blocked_ms_per_batch']:.3f} | "
             f"{s['agree_ms_per_batch']:.2f} | "
             f"{'/'.join(str(list(b)) for b in s['batches'])} |")
@@ -293,6 +298,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="a training step per batch (a sleep): the read-ahead fills meanwhile, as in training")
+    parser.add_argument("--scope", default="job,rank", help="distributed.state_scope values to measure")
     parser.add_argument("--json", help="also write the rows here")
     options = parser.parse_args()
     ranks = [int(n) for n in options.ranks.split(",")]
@@ -314,25 +320,29 @@ def main() -> None:
             for factor in factors:
                 if world == 1 and factor != factors[0] and factor * world in {f * world for f in factors[:1]}:
                     continue
-                summary = summarize(world, factor * world, measure(world, factor * world, args, Path(root)))
-                summaries.append(summary)
-                print(row(summary), flush=True)
+                for scope in options.scope.split(","):
+                    summary = summarize(world, factor * world, scope,
+                                        measure(world, factor * world, scope, args, Path(root)))
+                    summaries.append(summary)
+                    print(row(summary), flush=True)
     if options.json:
         Path(options.json).write_text(json.dumps(summaries, indent=1))
     for factor in factors:
-        points = [s for s in summaries if s["L"] == factor * s["N"] and s["N"] > 1]
-        if len(points) < 2:
-            continue
-        ns = [s["N"] for s in points]
-        print(f"\nL = {factor}*N: fit a + b*N over N={ns}, value at N=1,024 (L={factor * 1024}):")
-        for key in ("state_kB", "store_kB", "state_dict_ms", "load_ms", "collectives_per_batch",
-                    "blocked_ms_per_batch", "agree_ms_per_batch"):
-            a, b = _fit(ns, [s[key] for s in points])
-            print(f"  {key:<22} a={a:10.3f} b={b:+10.4f}/rank -> {a + b * 1024:12.2f} at 1,024 ranks")
-        nl = [s["N"] * s["L"] for s in points]
-        a, b = _fit(nl, [s["store_kB"] for s in points])
-        print(f"  store_kB in N*L         a={a:10.3f} b={b:+10.5f}/(rank*lane) -> "
-              f"{(a + b * 1024 * factor * 1024) / 1e6:12.2f} GB at 1,024 ranks x {factor * 1024} lanes")
+        for scope in options.scope.split(","):
+            points = [s for s in summaries if s["L"] == factor * s["N"] and s["N"] > 1 and s["scope"] == scope]
+            if len(points) < 2:
+                continue
+            ns = [s["N"] for s in points]
+            print(f"\nL = {factor}*N, state_scope {scope}: fit a + b*N over N={ns}, value at N=1,024 "
+                  f"(L={factor * 1024}):")
+            for key in ("state_kB", "store_kB", "state_dict_ms", "load_ms", "collectives_per_batch",
+                        "blocked_ms_per_batch", "agree_ms_per_batch"):
+                a, b = _fit(ns, [s[key] for s in points])
+                print(f"  {key:<22} a={a:10.3f} b={b:+10.4f}/rank -> {a + b * 1024:12.2f} at 1,024 ranks")
+            nl = [s["N"] * s["L"] for s in points]
+            a, b = _fit(nl, [s["store_kB"] for s in points])
+            print(f"  store_kB in N*L         a={a:10.3f} b={b:+10.5f}/(rank*lane) -> "
+                  f"{(a + b * 1024 * factor * 1024) / 1e6:12.2f} GB at 1,024 ranks x {factor * 1024} lanes")
 
 
 if __name__ == "__main__":

@@ -291,8 +291,9 @@ def checkpoint_lanes(checkpoint: Mapping[str, Any]) -> frozenset[int]:
 
 def lanes_of_checkpoint(checkpoint: Mapping[str, Any], lanes: Any) -> dict[str, Any]:
     """A copy of ``checkpoint`` holding only ``lanes``: its lane-keyed entries (:data:`LANE_KEYED`) cut to them,
-    and of ``rr_next_idx`` (Zephon's round-robin position per owner, keyed ``"<worker>/<active>:<lanes>"``) the
-    entries of owners whose lanes are among them. Everything else is job-wide and kept."""
+    of ``rr_next_idx`` (Zephon's round-robin position per owner, keyed ``"<worker>/<active>:<lanes>"``) the
+    entries of owners whose lanes are among them, of a shard's ``world.mapping`` (DP group -> lanes; Zephon reads
+    only ``world.canonical_replicas`` on load) the groups holding them. Everything else is job-wide and kept."""
     wanted = {int(lane) for lane in lanes}
     out = dict(checkpoint)
     for key in LANE_KEYED:
@@ -302,6 +303,10 @@ def lanes_of_checkpoint(checkpoint: Mapping[str, Any], lanes: Any) -> dict[str, 
     rr = checkpoint.get("rr_next_idx")
     if isinstance(rr, Mapping):
         out["rr_next_idx"] = {key: value for key, value in rr.items() if _rr_lanes(key) <= wanted}
+    world = checkpoint.get("world")
+    if isinstance(world, Mapping) and isinstance(world.get("mapping"), Mapping):  # every DP group's lanes: O(lanes)
+        out["world"] = {**world, "mapping": {group: lanes for group, lanes in world["mapping"].items()
+                                             if {int(lane) for lane in lanes} & wanted}}
     return out
 
 
