@@ -260,3 +260,53 @@ def test_a_ranks_state_at_4_ranks_and_32_lanes_is_within_1_5x_of_one_rank_with_8
     # What the job-wide state of the same job costs each rank (the reason for the per-rank one).
     assert min(result["bytes"] for result in job) > 2.5 * max(result["bytes"] for result in four)
     assert all(result["resumed"] == result["rest"] for result in job)
+
+
+# -- torch.distributed.checkpoint: the per-rank key idiom of docs/distributed.md ----------------------------------------
+
+
+def _dcp_rank(rank: int, world: int, port: int, task: dict) -> None:
+    out = Path(task["out"]) / f"{task['phase']}-rank{rank}.json"
+    with error_file(out.with_suffix(".error")):
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        from zephon_loader.build import build_text_loader
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # even_passes off: each rank reads its lanes to their end (with it, what the longer ranks have left at
+        # the agreed end waits for the next epoch, and that remainder depends on the number of ranks).
+        cfg = _config(task["sources"], task["tokenizer"], run_id=task["phase"])
+        with build_text_loader(cfg) as loader:
+            if task["phase"] == "save":
+                it = iter(loader)
+                head = [row for _ in range(3) for row in _rows(next(it))]
+                # Each rank's state under a key of its own (DCP writes one copy of a key every rank shares).
+                dcp.save({f"loader_dp_rank_{loader.dp_rank}": json.dumps(loader.state_dict())},
+                         checkpoint_id=task["checkpoint"])
+                rest = [row for batch in it for row in _rows(batch)]
+            else:  # another number of ranks: every old rank's key, found in the checkpoint's metadata
+                reader = dcp.FileSystemReader(task["checkpoint"])
+                keys = sorted(k for k in reader.read_metadata().state_dict_metadata if k.startswith("loader_dp_rank_"))
+                states = {key: "" for key in keys}
+                dcp.load(states, checkpoint_id=task["checkpoint"])
+                loader.load_state_dict([json.loads(states[key]) for key in keys])
+                head, rest = [], [row for batch in loader for row in _rows(batch)]
+        out.write_text(json.dumps({"head": head, "rest": rest}))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed")
+def test_torch_distributed_checkpoint_per_rank_keys_resume_at_another_size(tmp_path, sources, tokenizer_dir):
+    task = {"out": str(tmp_path), "sources": sources, "tokenizer": str(tokenizer_dir),
+            "checkpoint": str(tmp_path / "dcp")}
+    results = {}
+    for phase, world in (("save", 4), ("load", 2)):
+        port = free_port()
+        run_ranks(_dcp_rank, [(rank, world, port, {**task, "phase": phase}) for rank in range(world)],
+                  [tmp_path / f"{phase}-rank{rank}.error" for rank in range(world)], bound_s=BOUND_S, what=phase)
+        results[phase] = [json.loads((tmp_path / f"{phase}-rank{rank}.json").read_text()) for rank in range(world)]
+    saved_rest = Counter(tuple(row) for r in results["save"] for row in r["rest"])
+    assert sum(saved_rest.values()) > 50
+    assert Counter(tuple(row) for r in results["load"] for row in r["rest"]) == saved_rest
