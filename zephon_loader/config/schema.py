@@ -355,11 +355,13 @@ class DistributedConfig:
             build a loader read on some ranks only with ``dp_world_size=1``.
         state_scope: What ``state_dict()`` holds. ``job`` (default): every
             lane, the same on every rank (a collective; any rank's state
-            resumes any rank: what Lightning, Accelerate and the HF Trainer
-            save, rank 0's). ``rank``: the lanes this rank owns, no collective,
-            O(lanes / ranks) bytes; every rank saves its own (AutoModel's per-DP-rank
-            files, ``torch.distributed.checkpoint``, ``save_state("...{dp_rank}...")``);
-            at another DP size load every rank's state (docs/distributed.md).
+            resumes any rank, as Lightning and Accelerate's
+            ``register_for_checkpointing`` need: one rank saves). ``rank``: the
+            lanes this rank owns, no collective, O(lanes / ranks) bytes; every
+            rank saves its own (AutoModel's per-DP-rank files, ZephonTrainer,
+            ``checkpoint_loaders``, ``torch.distributed.checkpoint`` with a key
+            per rank, ``save_state("...{dp_rank}...")``); at another DP size
+            load every rank's state (docs/distributed.md).
     """
 
     canonical_replicas: int | None = None
