@@ -224,3 +224,45 @@ def test_skip_cli_and_errors(tmp_path, sources, tokenizer_dir):
             loader.skip_batches(10_000)
         assert [_rows(batch) for batch in loader] == rest, "a refused skip leaves the loader at its state"
     assert main(["show", str(config), "--steps", "3-1"]) == 2
+
+
+def test_skip_and_show_cli_with_per_rank_states(tmp_path, sources, tokenizer_dir, capsys):
+    """``distributed.state_scope: rank``: ``show``/``skip`` read every rank's file of a pattern, and ``skip``
+    writes a file per rank (``--out`` with ``{dp_rank}``; without it, refused naming the fix)."""
+    import yaml
+
+    from zephon_loader.build import build_text_loader
+    from zephon_loader.cli.commands import main
+
+    cfg = _config(sources, str(tokenizer_dir), str(tmp_path / "aggregate"), "per-rank")
+    (tmp_path / "aggregate").mkdir()
+    cfg["distributed"].update(state_scope="rank", even_passes=False)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"dataloader": cfg}))
+    loaders = [build_text_loader(cfg, dp_rank=rank, dp_world_size=2) for rank in range(2)]
+    try:
+        iterators = [iter(loader) for loader in loaders]
+        for it in iterators:
+            for _ in range(TAKEN):
+                next(it)
+        for loader in loaders:
+            loader.save_state(str(tmp_path / "state-{dp_rank}.json"))
+        rest = [[_rows(batch) for batch in it] for it in iterators]
+    finally:
+        for loader in loaders:
+            loader.close()
+    pattern = str(tmp_path / "state-*.json")
+    assert main(["skip", str(config), pattern, "--batches", str(SKIP), "--world", "2",
+                 "--out", str(tmp_path / "skipped.json")]) == 2  # one file for two ranks' states
+    assert main(["skip", str(config), pattern, "--batches", str(SKIP), "--world", "2",
+                 "--out", str(tmp_path / "skipped-{dp_rank}.json")]) == 0
+    for rank in range(2):
+        with build_text_loader(cfg, dp_rank=rank, dp_world_size=2) as loader:
+            loader.load_state(str(tmp_path / "skipped-{dp_rank}.json"))
+            assert [_rows(batch) for batch in loader] == rest[rank][SKIP:], f"rank {rank}"
+    capsys.readouterr()
+    assert main(["show", str(config), "--steps", f"{TAKEN}-{TAKEN}", "--state", pattern, "--rank", "1", "--world",
+                 "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [entry["step"] for entry in report["steps"]] == [TAKEN] and report["rank"] == 1
+    assert report["steps"][0]["lane"] == 1, "rank 1 of 2 owns lane 1 of 2"

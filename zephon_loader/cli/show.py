@@ -52,13 +52,38 @@ def _build(config: Path, rank: int, world: int, aggregate: str) -> Any:
     return build(cfg, dp_rank=rank, dp_world_size=world, pin_memory=False)
 
 
+def _state_files(path: Path, option: str = "--state") -> list[Path]:
+    """The state file at ``path``, or every file a pattern matches (``*`` or ``{dp_rank}``: the per-rank states of
+    ``distributed.state_scope: rank``, all of which a loader at any DP size reads)."""
+    import glob
+
+    text = str(path)
+    if "*" in text or "{dp_rank}" in text:
+        files = [Path(name) for name in sorted(glob.glob(text.replace("{dp_rank}", "*")))]
+        if not files:
+            raise ValueError(f"{option}: got {text!r}, expected a pattern matching the state files loader.save_state "
+                             "wrote; no file matches")
+        return files
+    if not Path(path).is_file():
+        raise ValueError(f"{option}: got {text!r}, expected a state file written by loader.save_state (or "
+                         "zephon-loader skip; per-rank states: a pattern such as 'ckpt/loader-*.pt'); no such file")
+    return [Path(path)]
+
+
 def _read_state(path: Path, option: str = "--state") -> dict[str, Any]:
+    """The first state file of :func:`_state_files`."""
     from zephon_loader.state import read_state_file
 
-    if not Path(path).is_file():
-        raise ValueError(f"{option}: got {str(path)!r}, expected a state file written by loader.save_state (or "
-                         "zephon-loader skip); no such file")
-    return read_state_file(path)
+    return read_state_file(_state_files(path, option)[0])
+
+
+def _load(loader: Any, path: Path, option: str = "--state") -> None:
+    """Resume ``loader`` from the state(s) at ``path`` (one file, or every rank's file of a pattern)."""
+    from zephon_loader.state import read_state_file
+
+    files = _state_files(path, option)
+    loader.load_state_dict(read_state_file(files[0]) if len(files) == 1 and files[0] == Path(path) else
+                           [read_state_file(file) for file in files])
 
 
 def show(config: Path, steps: tuple[int, int], state: Path | None = None, rank: int = 0,
@@ -73,7 +98,7 @@ def show(config: Path, steps: tuple[int, int], state: Path | None = None, rank: 
     with tempfile.TemporaryDirectory(prefix="zephon-loader-show-") as aggregate:
         with _build(config, rank, world, aggregate) as loader:
             if state is not None:
-                loader.load_state_dict(_read_state(state))
+                _load(loader, state)
             found = loader.provenance_of_steps(*steps)
     skipped = found[0]["skipped_steps"] if found else []
     for entry in found:
@@ -108,7 +133,7 @@ def _skip_rank(task: dict[str, Any]) -> None:
     out = Path(task["out"])
     try:
         with _build(Path(task["config"]), task["rank"], task["world"], task["aggregate"]) as loader:
-            loader.load_state_dict(_read_state(Path(task["state"])))
+            _load(loader, Path(task["state"]), "STATE")
             loader.skip_batches(task["batches"])
             out.write_text(json.dumps(loader.state_dict()))
     except BaseException as error:  # noqa: BLE001 - reported by the parent
@@ -160,9 +185,17 @@ def skip(config: Path, state: Path, batches: int, out: Path, world: int = 1, tim
                 raise RuntimeError(f"rank {task['rank']} of {world} wrote no state (killed after {timeout_s:.0f} s, "
                                    "or it died); run it again, or with --world 1 to see its error")
         states = [json.loads(Path(task["out"]).read_text()) for task in tasks]
-    if any(other != states[0] for other in states[1:]):
+    if "lanes" in states[0]:  # distributed.state_scope: rank: each rank's own lanes, a file each
+        if "{dp_rank}" not in str(out) and world > 1:
+            raise ValueError(f"--out: got {str(out)!r}, expected a path with {{dp_rank}} in it (e.g. "
+                             "'ckpt/loader-{dp_rank}.pt'): the config's distributed.state_scope is 'rank', so each "
+                             f"of the {world} ranks has a state of its own")
+        for rank, rank_state in enumerate(states):
+            save_state_file(str(out).replace("{dp_rank}", str(rank)), rank_state)
+    elif any(other != states[0] for other in states[1:]):
         raise RuntimeError("skip: the ranks' states differ, expected the same state on every rank (a bug)")
-    save_state_file(out, states[0])
+    else:
+        save_state_file(out, states[0])
     before = LoaderStats.steps_of(saved["stats"])[0] if saved.get("stats") else None
     after = LoaderStats.steps_of(states[0]["stats"])[0]
     return {"from_step": before, "to_step": after, "skipped_batches": batches, "world": world, "out": str(out)}
