@@ -853,21 +853,27 @@ class ZephonLoader:
                 if not state_dict:
                     raise ValueError("load_state_dict: got an empty list, expected the state of every rank "
                                      "(distributed.state_scope: rank) or one state")
-                loaded = []
+                loaded, given = [], set()
                 for index, state in enumerate(state_dict):
                     try:
-                        loaded.append(self._loaded(state))
+                        checked = self._loaded(state)
                     except (TypeError, ValueError) as error:
                         raise type(error)(f"states[{index}]: {error}") from error
+                    held = set(checked.lanes) if checked.lanes is not None else set(range(lanes))
+                    given |= held
+                    if self.state_scope == "rank":  # keep only the lanes this rank owns: O(lanes / ranks) held
+                        checked = checked.for_lanes(held & self._lanes.owned_lanes())
+                    loaded.append(checked)
                 pending = merge_states(loaded, lanes)
             else:
                 pending = self._loaded(state_dict)
+                given = set(pending.lanes) if pending.lanes is not None else set(range(lanes))
             needed = self._lanes.owned_lanes() if self.state_scope == "rank" else frozenset(range(lanes))
-            missing = needed - set(pending.lanes if pending.lanes is not None else range(lanes))
+            missing = needed - given
             if missing:
                 dp_rank, dp_size = self._lanes.data_parallel
                 raise ValueError(
-                    f"load_state_dict: the state holds lanes {lane_ranges(pending.lanes or [])} of {lanes}, "
+                    f"load_state_dict: the state holds lanes {lane_ranges(given)} of {lanes}, "
                     f"expected also {lane_ranges(missing)} ("
                     + (f"the lanes dp_rank {dp_rank} of {dp_size} owns" if self.state_scope == "rank" else
                        "every lane: distributed.state_scope is 'job'")
