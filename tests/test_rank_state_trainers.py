@@ -136,3 +136,44 @@ def test_zephon_trainer_saves_each_ranks_lanes_and_resumes_at_one_process_and_at
     two = _hf(out, "two", 2, max_steps=STEPS, resume=checkpoint)
     for rank in (0, 1):
         assert two[rank]["seen"] == full[rank]["seen"][SAVE_AT:], f"rank {rank}: not its next batches"
+
+
+# -- Accelerate ------------------------------------------------------------------------------------------------------
+
+ACCELERATE_WORKER = Path(__file__).with_name("accelerate_worker.py")
+
+
+@pytest.fixture(scope="module")
+def accelerate_two(tmp_path_factory):
+    """Two processes with checkpoint_loaders: save_state after HEAD steps, REST more, a resume from the folder;
+    then a per-rank loader registered with register_for_checkpointing (tests/accelerate_worker.py rank_scope)."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed (the test extra has it)")
+    out = tmp_path_factory.mktemp("accelerate_rank_scope")
+    _torchrun(ACCELERATE_WORKER, 2, str(out), "rank-two")
+    return out, [json.loads((out / f"rank-two_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@linux_only
+def test_checkpoint_loaders_saves_each_ranks_lanes_and_resumes_at_two_processes_and_at_one(accelerate_two):
+    from accelerate_worker import HEAD, REST
+
+    out, two = accelerate_two
+    for rank, record in enumerate(two):
+        assert record["files"] == ["zephon_loader_0_rank0.json", "zephon_loader_0_rank1.json"]
+        assert record["lanes"] == OWNED[rank], f"rank {rank}'s file does not hold just its lanes"
+        assert record["resumed"] == record["reference"], f"rank {rank}: the resume is not at its next batch"
+        assert len(record["rows"]) == (HEAD + REST) * ROWS
+    assert set(two[0]["rows"]).isdisjoint(two[1]["rows"])
+    _torchrun(ACCELERATE_WORKER, 1, str(out), "rank-one")  # its load hook reads both processes' files
+    one = json.loads((out / "rank-one_rank0.json").read_text())
+    assert len(one["rows"]) == REST * ROWS
+    assert_each_lane_goes_on_at_its_next_batch(one["rows"], [record["rows"] for record in two], HEAD)
+
+
+@linux_only
+def test_register_for_checkpointing_of_a_per_rank_loader_at_two_processes_is_refused(accelerate_two):
+    _, two = accelerate_two
+    for rank, record in enumerate(two):
+        assert record["refused"] is not None, f"rank {rank}: a per-rank loader registered for checkpointing ran"
+        assert "state_scope: got 'rank' for a loader registered with accelerator.register_for_checkpointing" \
+            in record["refused"] and "checkpoint_loaders(accelerator, loader)" in record["refused"], record["refused"]
