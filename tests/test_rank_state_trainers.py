@@ -177,3 +177,32 @@ def test_register_for_checkpointing_of_a_per_rank_loader_at_two_processes_is_ref
         assert record["refused"] is not None, f"rank {rank}: a per-rank loader registered for checkpointing ran"
         assert "state_scope: got 'rank' for a loader registered with accelerator.register_for_checkpointing" \
             in record["refused"] and "checkpoint_loaders(accelerator, loader)" in record["refused"], record["refused"]
+
+
+# -- Lightning -------------------------------------------------------------------------------------------------------
+
+LIGHTNING_CASES = Path(__file__).with_name("lightning_cases.py")
+#: What the refusal says: the setting, the value, and why (Lightning's checkpoint is rank 0's alone).
+LIGHTNING_REFUSAL = ("distributed.state_scope: got 'rank' under a Lightning Trainer of 2 processes, expected 'job': "
+                     "Lightning writes its checkpoint on rank 0 only")
+
+
+@linux_only
+def test_lightning_ddp_refuses_a_per_rank_loader_at_fit_and_one_process_trains(tmp_path):
+    """Lightning's own DDP launcher (2 CPU processes, gloo): fit stops at the loader's first iter() with the
+    ValueError, before any checkpoint that could not resume. At one process a per-rank state is every lane's."""
+    pytest.importorskip("lightning.pytorch", reason="lightning is not installed (the test extra has it)")
+    import lightning_cases as C
+
+    options = {"max_epochs": 1, "limit_train_batches": 2, "loader": RANK_SCOPE,
+               "checkpoint": {"every_n_train_steps": 1, "filename": "{step}"}}
+    done = subprocess.run([sys.executable, str(LIGHTNING_CASES), str(tmp_path), "ddp", "2", json.dumps(options)],
+                          env=_env(LIGHTNING_CASES), capture_output=True, text=True, timeout=BOUND_S, cwd=tmp_path)
+    assert done.returncode != 0, "a per-rank loader trained under Lightning DDP:\n" + done.stderr[-3000:]
+    assert LIGHTNING_REFUSAL in done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not list((tmp_path / "ddp").glob("*.ckpt")), "a checkpoint was written before the refusal"
+    assert not list(tmp_path.glob("ddp_rank*.json"))
+
+    trained, _ = C.fit(tmp_path / "one", **options)
+    assert len(trained) == 2
+    assert len(list((tmp_path / "one").glob("*.ckpt"))) == 2
