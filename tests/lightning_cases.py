@@ -43,8 +43,8 @@ def val_config() -> dict[str, Any]:
 class Module(W.TinyLM):
     """TinyLM whose loaders are built where the process group exists (Lightning's DDP launcher)."""
 
-    def __init__(self, val: bool) -> None:
-        super().__init__(build_loader=train_config())
+    def __init__(self, val: bool, loader: dict[str, Any] | None = None) -> None:
+        super().__init__(build_loader=train_config(**(loader or {})))
         self._val = val
 
     def val_dataloader(self) -> Any:
@@ -52,12 +52,13 @@ class Module(W.TinyLM):
 
 
 def fit(out: Path, *, max_epochs: int, ckpt: str | None = None, callback: bool = True, val: bool = False,
-        checkpoint: dict[str, Any] | None = None, devices: int = 1, **kwargs: Any) -> tuple[list[list], int]:
+        checkpoint: dict[str, Any] | None = None, devices: int = 1, loader: dict[str, Any] | None = None,
+        **kwargs: Any) -> tuple[list[list], int]:
     """One fit; returns the steps it trained and the trainer's global rank.
 
     ``checkpoint``: ``ModelCheckpoint`` arguments (``{}``: Lightning's default one, after validation at every
     epoch's end); ``None``: no checkpoint. ``callback=False``: the user's callbacks do not name
-    ``ZephonLoaderCallback``.
+    ``ZephonLoaderCallback``. ``loader``: keys over the training loader's config.
     """
     callbacks: list[Any] = [ZephonLoaderCallback()] if callback else []
     if checkpoint is not None:
@@ -68,7 +69,7 @@ def fit(out: Path, *, max_epochs: int, ckpt: str | None = None, callback: bool =
                          enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=checkpoint is not None, callbacks=callbacks, num_sanity_val_steps=0,
                          **kwargs)
-    module = Module(val)
+    module = Module(val, loader)
     trainer.fit(module, ckpt_path=ckpt)
     return module.trained, trainer.global_rank
 

@@ -229,6 +229,16 @@ def test_resume_refuses_a_checkpoint_without_or_with_a_foreign_loader_state(unin
         train(loader_config, vocab_size, tmp_path / "out", resume=str(bare))
 
 
+def test_resume_without_a_train_loader_names_it(uninterrupted, vocab_size, tmp_path):
+    """An evaluation-only trainer asked to resume training: the error names train_loader= (resume_from_checkpoint
+    asks the train loader's distributed.state_scope, which there is none to ask)."""
+    with build_text_loader(uninterrupted["config"]) as eval_loader:
+        trainer = ZephonTrainer(model=tiny_llama(vocab_size, uninterrupted["attention"]),
+                                args=training_args(tmp_path), eval_loader=eval_loader)
+        with pytest.raises(ValueError, match=r"training needs train_loader="):
+            trainer.train(resume_from_checkpoint=str(uninterrupted["dir"] / f"checkpoint-{SAVE_STEPS}"))
+
+
 def test_loss_takes_the_loader_labels_as_next_token_targets(loader_config, vocab_size, tmp_path):
     model = tiny_llama(vocab_size)
     with build_text_loader(loader_config) as loader:

@@ -355,7 +355,7 @@ class ZephonTrainer(Trainer):
         self._resume_state = (
             None if resume_from_checkpoint is None
             else read_loader_state(str(resume_from_checkpoint), self.args.process_index,
-                                   every_rank=self.train_loader.state_scope == "rank")
+                                   every_rank=self.train_loader is not None and self.train_loader.state_scope == "rank")
         )
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
