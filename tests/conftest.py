@@ -263,7 +263,7 @@ SLOW_FILES = frozenset({
     "test_hf_trainer_epochs.py", "test_hf_vlm.py", "test_image_model.py", "test_image_recipe.py",
     "test_lightning.py", "test_lightning_defaults.py", "test_mixture_schedule.py", "test_object_storage.py",
     "test_packaging.py", "test_process_runner.py", "test_provenance_skip.py", "test_ray_runner.py",
-    "test_rank_state_trainers.py",
+    "test_rank_state.py", "test_rank_state_trainers.py",
     "test_shard_formats.py", "test_signals.py", "test_validation_loader.py", "test_first_batch.py",
 })
 
