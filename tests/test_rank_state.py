@@ -21,6 +21,7 @@ is loaded (each new rank keeps the lanes it owns now). Checked here:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -68,15 +69,17 @@ def _loader(cfg: dict, rank: int, world: int):
     return build_text_loader(cfg, dp_rank=rank, dp_world_size=world)
 
 
+@contextlib.contextmanager
 def _ranks(cfg: dict, world: int):
-    return [_loader(cfg, rank, world) for rank in range(world)]
+    """The loaders of every rank of ``world`` in this process, closed at the end of the block."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(_loader(cfg, rank, world)) for rank in range(world)]
 
 
 def _phase(cfg: dict, world: int, head: int, states: list[dict] | None) -> dict:
     """``world`` ranks: load ``states`` (every old rank's), take ``head`` batches each, a state each, then the
     rest of the pass. Returns the head/rest rows, the states, and each rank's stats at the end."""
-    loaders = _ranks(cfg, world)
-    try:
+    with _ranks(cfg, world) as loaders:
         if states is not None:
             for loader in loaders:
                 loader.load_state_dict(states)
@@ -85,9 +88,6 @@ def _phase(cfg: dict, world: int, head: int, states: list[dict] | None) -> dict:
         taken = [loader.state_dict() for loader in loaders]
         rest = [row for it in iterators for batch in it for row in _rows(batch)]
         return {"head": head_rows, "states": taken, "rest": rest, "stats": [loader.stats() for loader in loaders]}
-    finally:
-        for loader in loaders:
-            loader.close()
 
 
 def _delivered(reports: list[dict]) -> dict:
@@ -152,8 +152,7 @@ def test_states_of_two_steps_or_edited_lanes_are_refused(sources, tokenizer_dir,
 
 def test_save_and_load_state_files_per_rank(sources, tokenizer_dir, tmp_path):
     cfg = _config(sources, tokenizer_dir, aggregate=str(tmp_path / "aggregate"))
-    loaders = _ranks(cfg, 4)
-    try:
+    with _ranks(cfg, 4) as loaders:
         iterators = [iter(loader) for loader in loaders]
         for it in iterators:
             next(it)
@@ -162,18 +161,11 @@ def test_save_and_load_state_files_per_rank(sources, tokenizer_dir, tmp_path):
         for loader in loaders:
             loader.save_state(str(tmp_path / "loader-{dp_rank}.pt"))
         rest = Counter(row for it in iterators for batch in it for row in _rows(batch))
-    finally:
-        for loader in loaders:
-            loader.close()
     assert sorted(p.name for p in tmp_path.glob("loader*")) == [f"loader-{rank}.pt" for rank in range(4)]
-    resumed = _ranks(cfg, 2)
-    try:
+    with _ranks(cfg, 2) as resumed:
         for loader in resumed:
             loader.load_state(str(tmp_path / "loader-*.pt"))
         again = Counter(row for loader in resumed for batch in loader for row in _rows(batch))
-    finally:
-        for loader in resumed:
-            loader.close()
     assert again == rest
     with pytest.raises(FileNotFoundError, match="no file matches"):
         with _loader(cfg, 0, 1) as loader:
@@ -191,14 +183,10 @@ def test_job_state_loads_into_rank_scope_and_back(sources, tokenizer_dir, tmp_pa
     assert "lanes" not in job_state
     halves = _phase(rank_cfg, 2, 0, [job_state])
     assert Counter(halves["rest"]) == rest, "a job state cut to each rank's lanes"
-    two = _ranks(rank_cfg, 2)
-    try:
+    with _ranks(rank_cfg, 2) as two:
         for loader in two:
             loader.load_state_dict(job_state)
         rank_states = [loader.state_dict() for loader in two]  # before iter(): the loaded state, cut
-    finally:
-        for loader in two:
-            loader.close()
     assert [state["lanes"] for state in rank_states] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with _loader(job_cfg, 0, 1) as loader:  # every rank's states make a job state again
         loader.load_state_dict(rank_states)
@@ -318,17 +306,13 @@ def test_mixture_schedule_phase_survives_per_rank_states(sources, tokenizer_dir,
     cfg = _config(sources, tokenizer_dir, lanes=4, aggregate=str(tmp_path))
     cfg.update(passes=None, mixture={"schedule": [{"until_steps": 3, "weights": {"a": 9.0, "b": 1.0}},
                                                   {"weights": {"a": 1.0, "b": 9.0}}]})
-    loaders = _ranks(cfg, 2)
-    try:
+    with _ranks(cfg, 2) as loaders:
         iterators = [iter(loader) for loader in loaders]
         for it in iterators:
             for _ in range(8):  # into phase 1: a step is a batch of every lane, 2 lanes a rank (steps 4 on)
                 next(it)
         states = [loader.state_dict() for loader in loaders]
         after = Counter(row for it in iterators for _ in range(6) for row in _rows(next(it)))
-    finally:
-        for loader in loaders:
-            loader.close()
     assert all(state["phase"]["index"] == 1 for state in states)
     assert [sorted(map(int, state["phase"]["batches"])) for state in states] == [[0, 1], [2, 3]]
     with _loader(cfg, 0, 1) as loader:
