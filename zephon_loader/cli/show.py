@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import sys
 import tempfile
 import traceback
 from pathlib import Path
