@@ -320,3 +320,58 @@ def test_mixture_schedule_phase_survives_per_rank_states(sources, tokenizer_dir,
         it = iter(loader)
         resumed = Counter(row for _ in range(12) for row in _rows(next(it)))
     assert resumed == after, "the schedule's phase 1 did not continue exactly at 1 rank"
+
+
+# -- each rank its own file at the same size (AutoModel's pattern): files of two steps are refused at the first batch --
+
+
+def _steps_rank(rank: int, world: int, port: int, task: dict) -> None:
+    out = Path(task["out"]) / f"{task['phase']}-rank{rank}.json"
+    with error_file(out.with_suffix(".error")):
+        import torch.distributed as dist
+
+        from zephon_loader.build import build_text_loader
+        from zephon_loader.nodes.agreement import AgreementError
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        cfg = _config(task["sources"], task["tokenizer"], lanes=4, run_id=task["phase"])
+        cfg["distributed"]["even_passes"] = True  # the agreement on
+        result: dict = {}
+        with build_text_loader(cfg) as loader:
+            if task["phase"] == "save":
+                it = iter(loader)
+                for step in range(1, 5):
+                    next(it)
+                    if step in (2, 4):
+                        loader.save_state(str(Path(task["out"]) / f"step{step}-{{dp_rank}}.json"))
+                result["after"] = [row for _ in range(3) for row in _rows(next(it))]
+            else:
+                steps = task["steps"]
+                loader.load_state(str(Path(task["out"]) / f"step{steps[rank]}-{rank}.json"))
+                try:
+                    it = iter(loader)
+                    result["after"] = [row for _ in range(3) for row in _rows(next(it))]
+                except AgreementError as error:
+                    result["error"] = str(error)
+        out.write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not __import__("torch").distributed.is_available(), reason="torch.distributed")
+def test_own_files_of_two_steps_are_refused_at_the_first_batch(tmp_path, sources, tokenizer_dir):
+    task = {"out": str(tmp_path), "sources": sources, "tokenizer": str(tokenizer_dir)}
+
+    def run(phase: str, steps=None) -> list[dict]:
+        port = free_port()
+        run_ranks(_steps_rank, [(rank, 2, port, {**task, "phase": phase, "steps": steps}) for rank in range(2)],
+                  [tmp_path / f"{phase}-rank{rank}.error" for rank in range(2)], bound_s=BOUND_S, what=phase)
+        return [json.loads((tmp_path / f"{phase}-rank{rank}.json").read_text()) for rank in range(2)]
+
+    saved = run("save")
+    same = run("same", (4, 4))
+    assert [r.get("after") for r in same] == [r["after"] for r in saved], "each rank's own file resumes it exactly"
+    mixed = run("mixed", (2, 4))
+    for result in mixed:
+        assert "steps 2..4" in result.get("error", ""), result
+        assert "saved at different steps" in result["error"]

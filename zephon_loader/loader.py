@@ -322,8 +322,9 @@ class ZephonLoader:
             self._read_ahead.reset(None)
         else:
             self._read_ahead.reset({ReadAhead.SOURCE_KEY: self._source_state(pending)})
-        if self._agreement is not None:
-            self._agreement.begin_pass(fresh=not resume, epoch=self._source.epoch)
+        if self._agreement is not None:  # where the pass begins, checked against the other ranks
+            step = self._stats.steps if self._stats is not None else -1
+            self._agreement.begin_pass(fresh=not resume, epoch=self._source.epoch, step=step)
         self._exhausted = self._epoch_chosen = False
         self._consumed = None
         self._pass_resumed = resume

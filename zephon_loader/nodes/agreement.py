@@ -140,7 +140,8 @@ class PassAgreement:
         self._first = False  # the next exchange is the first of a pass
         self._fresh = False  # that pass starts from its beginning (not a resumed state)
         self._epoch: int | None = None
-        self._failed: EmptyRankError | None = None  # this pass's: raised again, without a collective
+        self._step = 0  # the step of the pass it starts at (a resumed state's), -1 unknown
+        self._failed: EmptyRankError | AgreementError | None = None  # this pass's: raised again, no collective
 
     @classmethod
     def for_job(cls, identity: str = "", micro_batch_size: int | None = None) -> "PassAgreement | None":
@@ -151,9 +152,12 @@ class PassAgreement:
             return cls(identity, micro_batch_size)
         return None
 
-    def begin_pass(self, fresh: bool, epoch: int | None = None) -> None:
-        """A pass begins (``iter()``): from its beginning (``fresh``) or from a loaded state, in ``epoch``."""
+    def begin_pass(self, fresh: bool, epoch: int | None = None, step: int = 0) -> None:
+        """A pass begins (``iter()``): from its beginning (``fresh``) or from a loaded state, in ``epoch``, at
+        ``step`` of the pass (a loaded state's; ``-1``: not known). The first exchange checks that every rank
+        begins at the same epoch and step."""
         self._first, self._fresh, self._epoch, self._failed = True, fresh, epoch, None
+        self._step = int(step)
         # An exchange started in the last pass completes on its own (every rank issued it at the same batch);
         # its answer is about that pass: dropped.
         self._index, self._horizon, self._launch, self._launched_at = 0, 0, None, -1
@@ -230,12 +234,24 @@ class PassAgreement:
         if self._launch is not None:  # (granted() collects it first; kept for a direct call)
             self._collect()
         promise = max(0, int(has_batch))
-        values = torch.tensor([promise, -promise, *map(int, drained)], dtype=torch.int64)
+        first, self._first = self._first, False
+        # The first exchange of a pass also carries where each rank begins it: min and max of epoch and step.
+        where = [self._epoch or 0, -(self._epoch or 0), self._step, -self._step] if first else []
+        values = torch.tensor([promise, -promise, *map(int, drained), *where], dtype=torch.int64)
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self._group)
         self.collectives += 1
         out = values.tolist()
+        if where:
+            out, (epochs, steps) = out[:-4], ((out[-4], -out[-3]), (out[-2], -out[-1]))
+            if (epochs[0] != epochs[1] or steps[0] != steps[1]) and steps[0] >= 0:
+                self._failed = AgreementError(
+                    f"distributed.even_passes: the ranks begin this pass at different positions (epochs "
+                    f"{epochs[0]}..{epochs[1]}, steps {steps[0]}..{steps[1]}; this rank: epoch {self._epoch or 0}, "
+                    f"step {self._step}): the loader states they loaded were saved at different steps (a rank's "
+                    "file from another checkpoint), so their batches would no longer pair up. Load the states "
+                    "every rank saved at one step (one checkpoint folder) on every rank")
+                raise self._failed
         every, some = out[0] > 0, out[1] < 0
-        first, self._first = self._first, False
         if first and self._fresh and some and not every:  # the same on every rank: every rank raises
             self._failed = self._empty_ranks(bool(promise))
             raise self._failed
