@@ -375,3 +375,26 @@ def test_own_files_of_two_steps_are_refused_at_the_first_batch(tmp_path, sources
     for result in mixed:
         assert "steps 2..4" in result.get("error", ""), result
         assert "saved at different steps" in result["error"]
+
+
+def test_out_of_step_lanes_are_said_at_a_resume_at_another_size_only(sources, tokenizer_dir, tmp_path):
+    """A per-rank state cannot tell at save whether the job's lanes were in step; a resume at another size
+    says so once (Zephon's own warning needs every lane's count, which a rank restoring its lanes lacks)."""
+    import warnings
+
+    from zephon_loader import zephon_compat
+
+    cfg = _config(sources, tokenizer_dir, aggregate=str(tmp_path))
+    four = _phase(cfg, 4, 3, None)  # 12 global batches over 32 lanes: out of step
+    cuts = [(state["zephon_checkpoint"], state["skip"]) for state in four["states"]]
+    assert zephon_compat.lanes_out_of_step(cuts, LANES)
+    for world, said in ((4, False), (2, True)):
+        zephon_compat._explained.clear()
+        with warnings.catch_warnings(record=True) as caught, _ranks(cfg, world) as loaders:
+            warnings.simplefilter("always")
+            for loader in loaders:
+                loader.load_state_dict(four["states"] if world != 4 else four["states"][loader.dp_rank])
+        texts = [str(w.message) for w in caught]
+        ours = [t for t in texts if t.startswith("zephon_loader: resuming at another data-parallel size")]
+        assert len(ours) == int(said), (world, texts)
+        assert not any(t.startswith("[zephon]") for t in texts), texts

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import re
 import sys
 import threading
 import warnings
@@ -39,6 +40,7 @@ from zephon_loader.nodes.readahead import ReadAhead
 from zephon_loader.nodes.source import ZephonSource
 from zephon_loader.pipeline.provenance import describe_rows, raw_provenance
 from zephon_loader.state import STATE_FORMAT, LoaderState, lane_ranges, merge_states
+from zephon_loader.zephon_compat import warn_resuming_mid_window
 from zephon_loader.stats import LoaderStats, batch_source_counts
 
 __all__ = ["STATE_FORMAT", "EpochHook", "ImageLoader", "ZephonLoader"]
@@ -862,27 +864,47 @@ class ZephonLoader:
                         raise type(error)(f"states[{index}]: {error}") from error
                     held = set(checked.lanes) if checked.lanes is not None else set(range(lanes))
                     given |= held
-                    if self.state_scope == "rank":  # keep only the lanes this rank owns: O(lanes / ranks) held
-                        checked = checked.for_lanes(held & self._lanes.owned_lanes())
                     loaded.append(checked)
-                pending = merge_states(loaded, lanes)
             else:
-                pending = self._loaded(state_dict)
-                given = set(pending.lanes) if pending.lanes is not None else set(range(lanes))
+                loaded = [self._loaded(state_dict)]
+                given = set(loaded[0].lanes) if loaded[0].lanes is not None else set(range(lanes))
             needed = self._lanes.owned_lanes() if self.state_scope == "rank" else frozenset(range(lanes))
-            missing = needed - given
-            if missing:
-                dp_rank, dp_size = self._lanes.data_parallel
-                raise ValueError(
-                    f"load_state_dict: the state holds lanes {lane_ranges(given)} of {lanes}, "
-                    f"expected also {lane_ranges(missing)} ("
-                    + (f"the lanes dp_rank {dp_rank} of {dp_size} owns" if self.state_scope == "rank" else
-                       "every lane: distributed.state_scope is 'job'")
-                    + "): per-rank states (distributed.state_scope: rank) resume at another data-parallel size "
-                    "from every rank's state; pass them all: loader.load_state_dict([state of rank 0, rank 1, "
-                    "...]) or loader.load_state('<folder>/loader-*.pt')")
+            if needed - given:
+                raise self._missing_lanes(given, needed - given, loaded)
+            # Resumed at another size with its lanes out of step where it was cut: said once, in both scopes.
+            warn_resuming_mid_window([(s.zephon_checkpoint, s.skip) for s in loaded if s.zephon_checkpoint is not None],
+                                     lanes, self._lanes.data_parallel[1])
+            if self.state_scope == "rank":  # keep only the lanes this rank owns (O(lanes / ranks) held)
+                owned = self._lanes.owned_lanes()
+                loaded = [s.for_lanes((set(s.lanes) if s.lanes is not None else set(range(lanes))) & owned)
+                          for s in loaded]
+            pending = merge_states(loaded, lanes) if len(loaded) > 1 else loaded[0]
             self._pending = self._scoped(pending)
             self._generation += 1  # a live iterator would go on with the old stream: it is stale now
+
+    def _missing_lanes(self, given: set[int], missing: set[int], loaded: list[LoaderState]) -> ValueError:
+        """The error for loaded states that lack lanes this loader needs, with the likely fix."""
+        lanes = self._lanes.canonical_replicas
+        dp_rank, dp_size = self._lanes.data_parallel
+        sizes = {(s.zephon_checkpoint or {}).get("world", {}).get("world_size") for s in loaded} - {None}
+        seen = (f"load_state_dict: the state{'s' if len(loaded) > 1 else ''} hold{'' if len(loaded) > 1 else 's'} "
+                f"lanes {lane_ranges(given)} of {lanes}")
+        if self.state_scope == "job":
+            return ValueError(
+                f"{seen}, expected every lane (distributed.state_scope is 'job'); missing {lane_ranges(missing)}. "
+                "They were saved with distributed.state_scope: rank (a state per rank, its own lanes): set "
+                "distributed.state_scope: rank in this configuration to resume each rank from its own state, or "
+                "pass every rank's state: loader.load_state_dict([state of rank 0, rank 1, ...]) or "
+                "loader.load_state('<folder>/loader-*.pt')")
+        same_size = sizes == {dp_size}
+        return ValueError(
+            f"{seen}, expected also {lane_ranges(missing)} (the lanes dp_rank {dp_rank} of {dp_size} owns). "
+            + (f"They were saved at this data-parallel size: load dp_rank {dp_rank}'s own state on this rank "
+               "(or every rank's). " if same_size and len(loaded) == 1 else
+               f"Per-rank states (distributed.state_scope: rank) saved at {sorted(sizes) or 'another'} rank(s) "
+               "resume at another size from every rank's state. ")
+            + "Pass them all: loader.load_state_dict([state of rank 0, rank 1, ...]) or "
+            "loader.load_state('<folder>/loader-*.pt')")
 
     def save_state(self, path: str | Any) -> None:
         """:meth:`state_dict` written to ``path`` atomically (a temporary file, fsync, rename).
@@ -922,19 +944,23 @@ class ZephonLoader:
 
         from zephon_loader.state import read_state_file
 
-        if isinstance(path, (list, tuple)):
-            self.load_state_dict([read_state_file(p) for p in path])
-            return
         text = str(path)
-        if "*" in text or "{dp_rank}" in text:
+        if isinstance(path, (list, tuple)):
+            paths = [str(p) for p in path]
+        elif "*" in text or "{dp_rank}" in text:
             pattern = text.replace("{dp_rank}", "*")
             paths = sorted(glob.glob(pattern))
             if not paths:
                 raise FileNotFoundError(f"load_state: no file matches {pattern!r}; expected the files "
                                         "save_state wrote")
-            self.load_state_dict([read_state_file(p) for p in paths])
+        else:
+            self.load_state_dict(read_state_file(path))
             return
-        self.load_state_dict(read_state_file(path))
+        try:
+            self.load_state_dict([read_state_file(p) for p in paths])
+        except ValueError as error:  # states[i] is a file here: name it
+            named = re.sub(r"states\[(\d+)\]", lambda m: f"states[{m[1]}] ({paths[int(m[1])]})", str(error))
+            raise ValueError(named) from error
 
     # -- shutdown -----------------------------------------------------------------------
     def close(self) -> None:

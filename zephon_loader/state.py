@@ -379,7 +379,7 @@ def merge_states(states: list[LoaderState], canonical_replicas: int) -> LoaderSt
         if None not in steps and steps[0] != steps[1]:
             raise ValueError(f"load_state_dict: states[{index}] was taken after {steps[1]} step(s) of its pass, "
                              f"states[0] after {steps[0]}; expected the states every rank saved at one step of "
-                             "one job")
+                             "one job (save each checkpoint's states in a folder of its own, and load one folder's)")
         if (state.phase or {}).get("index") != (first.phase or {}).get("index"):
             raise ValueError(f"load_state_dict: states[{index}] is in phase {(state.phase or {}).get('index')} of the "
                              f"schedule, states[0] in {(first.phase or {}).get('index')}; expected one step of one job")

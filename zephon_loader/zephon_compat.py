@@ -49,6 +49,9 @@ __all__ = [
     "checkpoint_at",
     "close_engine",
     "explained_window_warnings",
+    "lanes_out_of_step",
+    "warn_resuming_mid_window",
+    "warn_taken_mid_window",
     "import_ray_runner",
     "jsonl_suffixes",
     "checkpoint_lanes",
@@ -193,7 +196,8 @@ def local_position(pipeline: Any, *, prime: bool = False) -> dict[str, Any]:
             pipeline._prime_worksource()
             pipeline._ensure()
             if pending is not None:
-                pipeline._engine.load_state_dict(pending, replay=True)
+                with explained_window_warnings():  # Zephon's "resuming a mid-window checkpoint", explained
+                    pipeline._engine.load_state_dict(pending, replay=True)
                 pipeline._pending_restore = None
     return pipeline._engine._state_dict_local()
 
@@ -561,20 +565,60 @@ def read_object_range(url: str, start: int, end: int) -> bytes:
 #: for a loader's user: message prefix -> the explanation the loader warns with instead, once per process.
 WINDOW_WARNINGS = {
     "[zephon] Checkpoint taken mid-window": (
-        "zephon_loader: this state was taken inside a Zephon window (its lanes had delivered different numbers "
-        "of batches). Resuming it at the same data-parallel size is exact, batch for batch. At another size every "
-        "row is still delivered exactly once; only the rows left in that window may come in another order. For "
-        "the same order at any size, save when the global batch count is a multiple of "
-        "distributed.canonical_replicas."
+        "zephon_loader: this state was taken inside a Zephon window (where it was cut, its lanes had delivered "
+        "different numbers of batches: a step inside a window, or a read-ahead anchor a few batches back). "
+        "Resuming it at the same data-parallel size is exact, batch for batch. At another size every row is still "
+        "delivered exactly once, but the rest of the pass comes in another order than an uninterrupted run's."
     ),
     "[zephon] Resuming a mid-window checkpoint": (
-        "zephon_loader: resuming a state taken inside a Zephon window at another data-parallel size: every row is "
-        "delivered exactly once; the rows left in that window come in another order than at the old size."
+        "zephon_loader: resuming at another data-parallel size a state taken inside a Zephon window (its lanes had "
+        "delivered different numbers of batches where it was cut): every row is delivered exactly once, but the "
+        "rest of the pass comes in another order than an uninterrupted run's at either size."
     ),
 }
 _TAKEN = "[zephon] Checkpoint taken mid-window"
+_RESUMING = "[zephon] Resuming a mid-window checkpoint"
 _explained: set[str] = set()
 _explained_lock = threading.Lock()
+
+
+def lanes_out_of_step(cuts: list[tuple[Mapping[str, Any], Mapping[str, int]]], canonical_replicas: int) -> bool:
+    """Whether a state's lanes were out of step where it was cut: ``cuts`` are ``(checkpoint, skip)`` pairs (every
+    old rank's of one instant, or one of every lane), a checkpoint at an anchor plus the batches per lane
+    delivered after it. Out of step: the lanes' delivered counts at the cut (``lane_emitted`` + ``skip``)
+    differ, or their counts at the anchor do (a resume re-produces each lane from its anchor and drops its
+    ``skip`` batches, so lanes whose anchors lag fall behind the others by that many at another size).
+    ``False`` unless every lane's count is known (Zephon's own rule)."""
+    anchor: dict[int, int] = {}
+    delivered: dict[int, int] = {}
+    for checkpoint, skip in cuts:
+        for lane, count in (checkpoint.get("lane_emitted") or {}).items():
+            anchor[int(lane)] = int(count)
+            delivered[int(lane)] = int(count) + int(skip.get(str(lane), skip.get(lane, 0)) or 0)
+    if len(anchor) != canonical_replicas:
+        return False
+    return len(set(anchor.values())) > 1 or len(set(delivered.values())) > 1
+
+
+def warn_resuming_mid_window(cuts: list[tuple[Mapping[str, Any], Mapping[str, int]]], canonical_replicas: int,
+                             world_size: int) -> None:
+    """Warn (explained, once per process) when a state whose lanes were out of step where it was cut
+    (:func:`lanes_out_of_step`) is resumed at another world size than it was taken at. Zephon's restore warns
+    only from the anchor's counts and only when it sees every lane (a rank restoring its own lanes does not)."""
+    sizes = {(checkpoint.get("world") or {}).get("world_size") for checkpoint, _ in cuts} - {None}
+    if sizes and sizes != {world_size} and lanes_out_of_step(cuts, canonical_replicas):
+        with explained_window_warnings():
+            warnings.warn(f"{_RESUMING} (the lanes were out of step where the state was cut)", RuntimeWarning,
+                          stacklevel=2)
+
+
+def warn_taken_mid_window(cut: tuple[Mapping[str, Any], Mapping[str, int]], canonical_replicas: int) -> None:
+    """Warn (explained, once per process) when a state of every lane is cut with its lanes out of step
+    (:func:`lanes_out_of_step`): Zephon's own warning sees only the anchor's counts."""
+    if lanes_out_of_step([cut], canonical_replicas):
+        with explained_window_warnings():
+            warnings.warn(f"{_TAKEN} (the lanes were out of step where the state was cut)", RuntimeWarning,
+                          stacklevel=2)
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from zephon_loader.zephon_compat import (
     local_checkpoint,
     local_position,
     release_rounds,
+    warn_taken_mid_window,
     worker_crash_info,
 )
 
@@ -130,7 +131,11 @@ class _Stream:
             raise StopIteration
         try:
             while True:
-                batch = next(self.iterator)
+                if self.fresh:  # the first pull applies a restored checkpoint: Zephon's resume warning, explained
+                    with explained_window_warnings():
+                        batch = next(self.iterator)
+                else:
+                    batch = next(self.iterator)
                 self.fresh = False
                 if not self.skip:
                     return batch
@@ -710,6 +715,8 @@ class ZephonSource(BaseNode):
             else:
                 with explained_window_warnings(taken=not quiet):
                     checkpoint, merged = checkpoint_at(stream.pipeline, shard, extra=(self.ROUND_KEY, value, merge))
+                if index == last and not quiet:  # Zephon warns from the anchor's counts only
+                    warn_taken_mid_window((checkpoint, merged["skip"]), int(checkpoint["world"]["canonical_replicas"]))
             if index == last:
                 merged_extra = merged["extra"]
                 self._merged_phase_batches = {lane: int(n) for lane, n in sorted(
