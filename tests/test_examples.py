@@ -135,13 +135,18 @@ def test_hf_trainer_resumes_exactly(tmp_path):
     assert resumed == full  # steps 1-3 come from checkpoint-3's state, 4-6 were trained after the resume
 
 
-def test_distributed_example_under_torchrun(tmp_path):
+@pytest.mark.parametrize("scope", ["job", "rank"])
+def test_distributed_example_under_torchrun(tmp_path, scope):
     """``examples/distributed.py`` as its docstring runs it: 2 ranks saving at step 3, then resumed at 1 rank."""
     script = str(EXAMPLES / "distributed.py")
-    out = run([*torchrun(2), script, "--steps", "6", "--save-at", "3", "--out", str(tmp_path / "states")], tmp_path)
+    out = run([*torchrun(2), script, "--steps", "6", "--save-at", "3", "--out", str(tmp_path / "states"),
+               "--state-scope", scope], tmp_path)
     assert "rank 0/2: 6 batches" in out and "rank 1/2: 6 batches" in out
     assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["rank0.json", "rank1.json"]
-    out = run([*torchrun(1), script, "--resume", str(tmp_path / "states"), "--steps", "3"], tmp_path)
+    states = [json.loads((tmp_path / "states" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [state.get("lanes") for state in states] == ([None, None] if scope == "job" else [[0, 1], [2, 3]])
+    out = run([*torchrun(1), script, "--resume", str(tmp_path / "states"), "--steps", "3", "--state-scope", scope],
+              tmp_path)
     assert "rank 0/1: 3 batches" in out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import re
 import sys
 import threading
@@ -918,17 +919,20 @@ class ZephonLoader:
         ``rank``: each rank saves its own lanes (put ``{dp_rank}`` in the path).
 
         Raises:
-            ValueError: ``state_scope: rank`` and a path without ``{dp_rank}`` on several ranks (each
-                rank's file would replace the others').
+            ValueError: ``state_scope: rank`` on several ranks and a path with neither ``{dp_rank}`` nor
+                this rank's number in its file name (each rank's file would replace the others').
         """
         from zephon_loader.state import save_state_file
 
         dp_rank, dp_size = self._lanes.data_parallel
         text = str(path)
-        if "{dp_rank}" not in text and self.state_scope == "rank" and dp_size > 1:
+        own = "{dp_rank}" in text or re.search(rf"(?<!\d){dp_rank}(?!\d)", os.path.basename(text))
+        if not own and self.state_scope == "rank" and dp_size > 1:
             raise ValueError(f"save_state: got {text!r} at {dp_size} data-parallel ranks with "
-                             "distributed.state_scope: rank, expected a path with {dp_rank} in it "
-                             "(e.g. 'ckpt/loader-{dp_rank}.pt'): each rank saves its own lanes")
+                             "distributed.state_scope: rank, expected a path of this rank's own, with {dp_rank} "
+                             f"in it (e.g. 'ckpt/loader-{{dp_rank}}.pt') or this rank's number ({dp_rank}) in its "
+                             "file name: each "
+                             "rank saves its own lanes, and one path would keep only the last rank's")
         save_state_file(text.replace("{dp_rank}", str(dp_rank)) if "{dp_rank}" in text else path, self.state_dict())
 
     def load_state(self, path: str | Any) -> None:
