@@ -200,8 +200,10 @@ def test_bad_states_are_refused(sources, tokenizer_dir):
     with build_text_loader(cfg) as loader:
         with pytest.raises(ValueError, match="empty dict"):
             loader.load_state_dict({})
-        with pytest.raises(TypeError, match="got list"):
+        with pytest.raises(ValueError, match="got an empty list"):  # a list: every rank's per-rank state
             loader.load_state_dict([])
+        with pytest.raises(TypeError, match=r"states\[1\]: state_dict: got str"):
+            loader.load_state_dict([state, "state.json"])
         with pytest.raises(ValueError, match="state_dict.format"):
             loader.load_state_dict({**state, "format": "other"})
         corrupt = json.loads(json.dumps(state))
