@@ -367,3 +367,24 @@ def test_recipe_trains_checkpoints_and_resumes_exactly(data, tmp_path, ranks):
     assert len({e["num_label_tokens"] for e in full["validation"] + resumed["validation"]}) == 1
     passes = [p for batches in full["batches"] + resumed["batches"] for p in validation_passes(batches)]
     assert len(passes) == 3 * ranks and all(p == passes[0] for p in passes)
+
+
+def test_recipe_with_per_rank_loader_states_resumes_exactly(data, tmp_path):
+    """``distributed.state_scope: rank`` in the recipe's dataloader block: AutoModel's per-DP-rank files each hold
+    that rank's lanes, and the same-size resume is exact (each rank loads its own file)."""
+    import torch
+
+    config = cpu_config(data)
+    config["dataloader"]["distributed"] = {"canonical_replicas": 4, "state_scope": "rank"}
+    config_path = write_yaml(config, tmp_path / "config.yaml")
+    full = run_recipe(config_path, tmp_path / "full", 2)
+    middle = full["checkpoints"] / f"epoch_0_step_{CKPT_EVERY - 1}"
+    lanes = [torch.load(middle / "dataloader" / f"dataloader_dp_rank_{rank}.pt", weights_only=True).get("lanes")
+             for rank in range(2)]
+    assert lanes == [[0, 1], [2, 3]], lanes
+    resumed = run_recipe(config_path, tmp_path / "resumed", 2, f"--checkpoint.restore_from={middle}")
+    for before, after in zip(full["batches"], resumed["batches"]):
+        expected = {step: micro for step, micro in train_steps(before).items() if step >= CKPT_EVERY}
+        assert train_steps(after) == expected
+    losses = [entry["loss"] for entry in full["training"]]
+    assert [e["loss"] for e in resumed["training"]] == pytest.approx(losses[CKPT_EVERY:], rel=1e-5)
