@@ -8,6 +8,10 @@ collective: all ranks at the same step), and with ``--resume DIR`` continues
 from such a state, also at another number of ranks (``canonical_replicas``
 divisible by both). ``--state-scope rank``: each rank's state holds its own
 lanes (``distributed.state_scope: rank``), and a resume reads every rank's file.
+A resume at another number of ranks says once that the rest of the pass comes
+in another order than an uninterrupted run's when the lanes were out of step
+where the state was cut (usually: the ranks' read-ahead anchors differ); every
+row still comes exactly once (docs/distributed.md, "What a resume guarantees").
 
     torchrun --nproc_per_node 2 examples/distributed.py --steps 20 --save-at 10 --out /tmp/zl
     torchrun --nproc_per_node 1 examples/distributed.py --resume /tmp/zl --steps 10

@@ -132,6 +132,13 @@ def test_one_ranks_state_at_another_size_is_refused_naming_the_fix(sources, toke
         with pytest.raises(ValueError, match=r"lanes \[0-15\] of 32, expected also \[16-31\]"):
             loader.load_state_dict(four["states"][:2])  # half of the old ranks
         loader.load_state_dict(four["states"][2:])  # the two that hold its lanes are enough
+    job = {**cfg, "distributed": {**cfg["distributed"], "state_scope": "job"}}  # state_scope: rank forgotten
+    with _loader(job, 1, 4) as loader, pytest.raises(ValueError, match="set distributed.state_scope: rank"):
+        loader.load_state_dict(four["states"][1])  # the same size: its own state would do, with the scope
+    with _loader(job, 1, 2) as loader, pytest.raises(ValueError, match="saved with distributed.state_scope: rank "
+                                                                        r"\(a state per rank, its own lanes\) at 4 "
+                                                                        "rank.s.: pass every rank's state"):
+        loader.load_state_dict(four["states"][1])  # another size: only every rank's states do
 
 
 def test_states_of_two_steps_or_edited_lanes_are_refused(sources, tokenizer_dir, tmp_path):

@@ -872,14 +872,14 @@ class ZephonLoader:
             needed = self._lanes.owned_lanes() if self.state_scope == "rank" else frozenset(range(lanes))
             if needed - given:
                 raise self._missing_lanes(given, needed - given, loaded)
-            # Resumed at another size with its lanes out of step where it was cut: said once, in both scopes.
-            warn_resuming_mid_window([(s.zephon_checkpoint, s.skip) for s in loaded if s.zephon_checkpoint is not None],
-                                     lanes, self._lanes.data_parallel[1])
+            cuts = [(s.zephon_checkpoint, s.skip) for s in loaded if s.zephon_checkpoint is not None]
             if self.state_scope == "rank":  # keep only the lanes this rank owns (O(lanes / ranks) held)
                 owned = self._lanes.owned_lanes()
                 loaded = [s.for_lanes((set(s.lanes) if s.lanes is not None else set(range(lanes))) & owned)
                           for s in loaded]
             pending = merge_states(loaded, lanes) if len(loaded) > 1 else loaded[0]
+            # Resumed at another size with its lanes out of step where it was cut: said once, in both scopes.
+            warn_resuming_mid_window(cuts, lanes, self._lanes.data_parallel[1])
             self._pending = self._scoped(pending)
             self._generation += 1  # a live iterator would go on with the old stream: it is stale now
 
@@ -890,22 +890,23 @@ class ZephonLoader:
         sizes = {(s.zephon_checkpoint or {}).get("world", {}).get("world_size") for s in loaded} - {None}
         seen = (f"load_state_dict: the state{'s' if len(loaded) > 1 else ''} hold{'' if len(loaded) > 1 else 's'} "
                 f"lanes {lane_ranges(given)} of {lanes}")
+        every = ("pass every rank's state: loader.load_state_dict([state of rank 0, rank 1, ...]) or "
+                 "loader.load_state('<folder>/loader-*.pt')")
+        same_size = sizes == {dp_size}
+        saved_at = " or ".join(str(size) for size in sorted(sizes)) + " rank(s)" if sizes else "another size"
         if self.state_scope == "job":
             return ValueError(
                 f"{seen}, expected every lane (distributed.state_scope is 'job'); missing {lane_ranges(missing)}. "
-                "They were saved with distributed.state_scope: rank (a state per rank, its own lanes): set "
-                "distributed.state_scope: rank in this configuration to resume each rank from its own state, or "
-                "pass every rank's state: loader.load_state_dict([state of rank 0, rank 1, ...]) or "
-                "loader.load_state('<folder>/loader-*.pt')")
-        same_size = sizes == {dp_size}
+                f"They were saved with distributed.state_scope: rank (a state per rank, its own lanes) at "
+                f"{saved_at}: "
+                + ("set distributed.state_scope: rank in this configuration to resume each rank from its own "
+                   f"state, or {every}" if same_size else every))
         return ValueError(
             f"{seen}, expected also {lane_ranges(missing)} (the lanes dp_rank {dp_rank} of {dp_size} owns). "
-            + (f"They were saved at this data-parallel size: load dp_rank {dp_rank}'s own state on this rank "
-               "(or every rank's). " if same_size and len(loaded) == 1 else
-               f"Per-rank states (distributed.state_scope: rank) saved at {sorted(sizes) or 'another'} rank(s) "
-               "resume at another size from every rank's state. ")
-            + "Pass them all: loader.load_state_dict([state of rank 0, rank 1, ...]) or "
-            "loader.load_state('<folder>/loader-*.pt')")
+            + (f"They were saved at this data-parallel size: load dp_rank {dp_rank}'s own state on this rank, "
+               f"or {every}" if same_size and len(loaded) == 1 else
+               f"Per-rank states (distributed.state_scope: rank) saved at {saved_at} resume at another size from "
+               f"every rank's state: {every}"))
 
     def save_state(self, path: str | Any) -> None:
         """:meth:`state_dict` written to ``path`` atomically (a temporary file, fsync, rename).
