@@ -123,6 +123,18 @@ CONTRACTS = {
 }
 
 
+def _resumed_half(build, saved_config, config, k):
+    """The batches after the state taken after ``k`` batches of ``build(saved_config)``, resumed by ``build(config)``."""
+    with build(saved_config) as loader:
+        iterator = iter(loader)
+        for _ in range(k):
+            next(iterator)
+        state = loader.state_dict()
+    with build(config) as resumed:
+        resumed.load_state_dict(state)
+        return collect(resumed)
+
+
 def _run(config, limit=None):
     with build_text_loader(config) as loader:
         return collect(loader, limit)
@@ -200,14 +212,7 @@ def test_source_ids_after_a_resume(sources, tokenizer_dir, name):
     full = _run(config)
     k = len(full) // 2
     for saved_with in (True, False):  # a state saved without source ids resumes with them (same stream)
-        with build_text_loader({**config, "return_source_ids": saved_with}) as loader:
-            iterator = iter(loader)
-            for _ in range(k):
-                next(iterator)
-            state = loader.state_dict()
-        with build_text_loader(config) as resumed:
-            resumed.load_state_dict(state)
-            rest = collect(resumed)
+        rest = _resumed_half(build_text_loader, {**config, "return_source_ids": saved_with}, config, k)
         assert len(rest) == len(full) - k
         for a, b in zip(rest, full[k:]):
             assert torch.equal(a[F.SOURCE_IDS], b[F.SOURCE_IDS])
@@ -317,14 +322,7 @@ def test_image_source_ids_equal_the_record_reference(image_sources, image_base, 
 def test_image_source_ids_after_a_resume(image_sources, image_base):
     config = _image_config(image_sources, IMAGE_CONTRACTS["document_ids_metadata"][0])
     k = len(image_base) // 2
-    with build_image_loader(config) as loader:
-        iterator = iter(loader)
-        for _ in range(k):
-            next(iterator)
-        state = loader.state_dict()
-    with build_image_loader(config) as resumed:
-        resumed.load_state_dict(state)
-        rest = collect(resumed)
+    rest = _resumed_half(build_image_loader, config, config, k)
     assert len(rest) == len(image_base) - k
     for a, b in zip(rest, image_base[k:]):
         assert torch.equal(a[F.SOURCE_IDS], b[F.SOURCE_IDS])

@@ -857,26 +857,22 @@ class ZephonLoader:
                 if not state_dict:
                     raise ValueError("load_state_dict: got an empty list, expected the state of every rank "
                                      "(distributed.state_scope: rank) or one state")
-                loaded, given = [], set()
+                loaded = []
                 for index, state in enumerate(state_dict):
                     try:
-                        checked = self._loaded(state)
+                        loaded.append(self._loaded(state))
                     except (TypeError, ValueError) as error:
                         raise type(error)(f"states[{index}]: {error}") from error
-                    held = set(checked.lanes) if checked.lanes is not None else set(range(lanes))
-                    given |= held
-                    loaded.append(checked)
             else:
                 loaded = [self._loaded(state_dict)]
-                given = set(loaded[0].lanes) if loaded[0].lanes is not None else set(range(lanes))
-            needed = self._lanes.owned_lanes() if self.state_scope == "rank" else frozenset(range(lanes))
+            given = set().union(*(s.held_lanes(lanes) for s in loaded))
+            owned = self._lanes.owned_lanes()
+            needed = owned if self.state_scope == "rank" else frozenset(range(lanes))
             if needed - given:
                 raise self._missing_lanes(given, needed - given, loaded)
             cuts = [(s.zephon_checkpoint, s.skip) for s in loaded if s.zephon_checkpoint is not None]
             if self.state_scope == "rank":  # keep only the lanes this rank owns (O(lanes / ranks) held)
-                owned = self._lanes.owned_lanes()
-                loaded = [s.for_lanes((set(s.lanes) if s.lanes is not None else set(range(lanes))) & owned)
-                          for s in loaded]
+                loaded = [s.for_lanes(s.held_lanes(lanes) & owned) for s in loaded]
             pending = merge_states(loaded, lanes) if len(loaded) > 1 else loaded[0]
             # Resumed at another size with its lanes out of step where it was cut: said once, in both scopes.
             warn_resuming_mid_window(cuts, lanes, self._lanes.data_parallel[1])
@@ -932,8 +928,7 @@ class ZephonLoader:
             raise ValueError(f"save_state: got {text!r} at {dp_size} data-parallel ranks with "
                              "distributed.state_scope: rank, expected a path of this rank's own, with {dp_rank} "
                              f"in it (e.g. 'ckpt/loader-{{dp_rank}}.pt') or this rank's number ({dp_rank}) in its "
-                             "file name: each "
-                             "rank saves its own lanes, and one path would keep only the last rank's")
+                             "file name: each rank saves its own lanes, and one path would keep only the last rank's")
         save_state_file(text.replace("{dp_rank}", str(dp_rank)) if "{dp_rank}" in text else path, self.state_dict())
 
     def load_state(self, path: str | Any) -> None:
@@ -945,22 +940,15 @@ class ZephonLoader:
             FileNotFoundError: No file at ``path`` (a pattern: none matches).
             ValueError: An unreadable file (naming it), or a state ``load_state_dict`` refuses.
         """
-        import glob
+        from zephon_loader.state import read_state_file, state_paths
 
-        from zephon_loader.state import read_state_file
-
-        text = str(path)
-        if isinstance(path, (list, tuple)):
-            paths = [str(p) for p in path]
-        elif "*" in text or "{dp_rank}" in text:
-            pattern = text.replace("{dp_rank}", "*")
-            paths = sorted(glob.glob(pattern))
-            if not paths:
-                raise FileNotFoundError(f"load_state: no file matches {pattern!r}; expected the files "
-                                        "save_state wrote")
-        else:
+        paths = [str(p) for p in path] if isinstance(path, (list, tuple)) else state_paths(path)
+        if paths is None:
             self.load_state_dict(read_state_file(path))
             return
+        if not paths:
+            raise FileNotFoundError(f"load_state: no file matches {str(path).replace('{dp_rank}', '*')!r}; expected "
+                                    "the files save_state wrote")
         try:
             self.load_state_dict([read_state_file(p) for p in paths])
         except ValueError as error:  # states[i] is a file here: name it

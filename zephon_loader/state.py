@@ -54,7 +54,7 @@ from zephon_loader.stats import LoaderStats
 from zephon_loader.zephon_compat import checkpoint_lanes, lanes_of_checkpoint, merge_lane_checkpoints
 
 __all__ = ["RETIRED_FORMATS", "STATE_FORMAT", "LoaderState", "content_checksum", "lane_ranges", "merge_states",
-           "read_state_file", "save_state_file", "write_atomically", "write_json_atomically"]
+           "read_state_file", "save_state_file", "state_paths", "write_atomically", "write_json_atomically"]
 
 #: Version tag of a saved state (its ``format``); bumped on incompatible changes.
 STATE_FORMAT = "zephon_loader.state/4"
@@ -129,6 +129,10 @@ class LoaderState:
                  if not (field.name in ("phase", "lanes") and getattr(self, field.name) is None)}
         state["checksum"] = content_checksum(state)
         return state
+
+    def held_lanes(self, canonical_replicas: int) -> set[int]:
+        """The lanes this state holds (``lanes``, or every one of ``canonical_replicas``)."""
+        return set(self.lanes) if self.lanes is not None else set(range(canonical_replicas))
 
     def for_lanes(self, lanes: Any) -> "LoaderState":
         """This state cut to ``lanes`` (a subset of what it holds): Zephon's checkpoints (the current one and each
@@ -313,6 +317,17 @@ _TAMPERED = ("the state was not made by ZephonLoader.state_dict() (edited, and i
 _OPTIONAL = {"epoch": 0, "pass_ended": False, "phase": None, "lanes": None}
 
 
+def state_paths(path: Any) -> list[str] | None:
+    """The files a pattern of state files matches (``*``, or ``{dp_rank}`` standing for every rank: the per-rank
+    states of ``distributed.state_scope: rank``), sorted; ``None`` when ``path`` is no pattern."""
+    import glob
+
+    text = str(path)
+    if "*" not in text and "{dp_rank}" not in text:
+        return None
+    return sorted(glob.glob(text.replace("{dp_rank}", "*")))
+
+
 def lane_ranges(lanes: Any) -> str:
     """``[0-3, 8, 10-11]``: sorted lanes with runs folded (a message names 1,024 lanes in a line)."""
     ordered, parts = sorted(int(lane) for lane in lanes), []
@@ -419,9 +434,7 @@ def merge_states(states: list[LoaderState], canonical_replicas: int) -> LoaderSt
                  "skip": union([link.get("skip") or {} for link in links], f"{key}[{i}].skip")}
                 for i, links in enumerate(zip(*(getattr(state, key) for state in states)))]
 
-    lanes: set[int] = set()
-    for state in states:
-        lanes |= set(state.lanes) if state.lanes is not None else set(range(canonical_replicas))
+    lanes = set().union(*(state.held_lanes(canonical_replicas) for state in states))
     stats = None
     if all(state.stats is not None for state in states):
         stats = LoaderStats.merge([{"owned": state.lanes, **state.stats} for state in states])

@@ -237,9 +237,7 @@ def checkpoint_at(
     from zephon._internal.coordination import AggregationRound
 
     engine = pipeline._engine
-    shard = dict(local)
-    shard["last_round_id"] = engine._last_round_id
-    shard["checkpoint_reload_count"] = engine._checkpoint_reload_count
+    shard = local_checkpoint(pipeline, local)
     if not engine._takes_part_in_rounds():
         if engine._owned_lanes:
             engine._check_mid_window_counts(shard.get("lane_emitted") or {}, int(engine._world.canonical_replicas))

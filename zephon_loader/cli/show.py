@@ -52,17 +52,17 @@ def _build(config: Path, rank: int, world: int, aggregate: str) -> Any:
 
 
 def _state_files(path: Path, option: str = "--state") -> list[Path]:
-    """The state file at ``path``, or every file a pattern matches (``*`` or ``{dp_rank}``: the per-rank states of
-    ``distributed.state_scope: rank``, all of which a loader at any DP size reads)."""
-    import glob
+    """The state file at ``path``, or every file a pattern matches (:func:`~zephon_loader.state.state_paths`: the
+    per-rank states of ``distributed.state_scope: rank``, all of which a loader at any DP size reads)."""
+    from zephon_loader.state import state_paths
 
     text = str(path)
-    if "*" in text or "{dp_rank}" in text:
-        files = [Path(name) for name in sorted(glob.glob(text.replace("{dp_rank}", "*")))]
+    files = state_paths(path)
+    if files is not None:
         if not files:
             raise ValueError(f"{option}: got {text!r}, expected a pattern matching the state files loader.save_state "
                              "wrote; no file matches")
-        return files
+        return [Path(name) for name in files]
     if not Path(path).is_file():
         raise ValueError(f"{option}: got {text!r}, expected a state file written by loader.save_state (or "
                          "zephon-loader skip; per-rank states: a pattern such as 'ckpt/loader-*.pt'); no such file")
@@ -77,12 +77,10 @@ def _read_state(path: Path, option: str = "--state") -> dict[str, Any]:
 
 
 def _load(loader: Any, path: Path, option: str = "--state") -> None:
-    """Resume ``loader`` from the state(s) at ``path`` (one file, or every rank's file of a pattern)."""
-    from zephon_loader.state import read_state_file
-
-    files = _state_files(path, option)
-    loader.load_state_dict(read_state_file(files[0]) if len(files) == 1 and files[0] == Path(path) else
-                           [read_state_file(file) for file in files])
+    """Resume ``loader`` from the state(s) at ``path`` (one file, or every rank's file of a pattern), refused
+    as :func:`_state_files` says when there is none."""
+    _state_files(path, option)
+    loader.load_state(path)
 
 
 def show(config: Path, steps: tuple[int, int], state: Path | None = None, rank: int = 0,

@@ -21,6 +21,7 @@ multi-rank job. Zephon already prefetches internally (``prefetch_batches``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
@@ -131,10 +132,8 @@ class _Stream:
             raise StopIteration
         try:
             while True:
-                if self.fresh:  # the first pull applies a restored checkpoint: Zephon's resume warning, explained
-                    with explained_window_warnings():
-                        batch = next(self.iterator)
-                else:
+                # The first pull applies a restored checkpoint: Zephon's resume warning, explained.
+                with explained_window_warnings() if self.fresh else contextlib.nullcontext():
                     batch = next(self.iterator)
                 self.fresh = False
                 if not self.skip:
@@ -672,13 +671,12 @@ class ZephonSource(BaseNode):
                   quiet: bool = False, local: bool = False) -> tuple[list[dict[str, Any]], Any]:
         """Zephon's checkpoint of each pipeline of the chain at ``position`` (one collective round each).
 
-        ``quiet``: a position the loader keeps for itself (the carry): Zephon's mid-window warning is dropped.
+        ``quiet``: a position the loader keeps for itself (the carry): no mid-window warning.
         ``local``: this rank's lanes only, no round (:func:`~zephon_loader.zephon_compat.local_checkpoint`).
         """
         merged_extra = None
         links = []
         last = len(position.streams) - 1
-        local_only = local
         for index, (stream, shard, pending) in enumerate(position.streams):
             mine = dict(pending)
             for (epoch, lane), count in (skip or {}).items():
@@ -710,12 +708,13 @@ class ZephonSource(BaseNode):
                 return {"skip": merged_skip, "phase_batches": merged_phase,
                         "extra": with_extra[2]([v["extra"] for v in present]) if with_extra is not None else None}
 
-            if local_only:
+            if local:
                 checkpoint, merged = local_checkpoint(stream.pipeline, shard), merge([value])
             else:
-                with explained_window_warnings(taken=not quiet):
+                # Whether the lanes were out of step is judged here (Zephon's own warning sees the anchor only).
+                with explained_window_warnings(taken=False):
                     checkpoint, merged = checkpoint_at(stream.pipeline, shard, extra=(self.ROUND_KEY, value, merge))
-                if index == last and not quiet:  # Zephon warns from the anchor's counts only
+                if index == last and not quiet:
                     warn_taken_mid_window((checkpoint, merged["skip"]), int(checkpoint["world"]["canonical_replicas"]))
             if index == last:
                 merged_extra = merged["extra"]
